@@ -1,0 +1,41 @@
+"""`nanoqwen SUBCOMMAND ...`: pack, inspect, run, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import run_main
+
+# subcommand -> module holding add_arguments/run; imported only when chosen, so `nanoqwen pack` never
+# pays for the CUDA bindings.
+SUBCOMMANDS = {
+    "pack": ("nanoqwen.cli.pack", "HF Qwen2 directory (or --random 7b) -> .nanoqwen file"),
+    "inspect": ("nanoqwen.cli.inspect", "print a .nanoqwen header and tensor table; --verify checksums"),
+    "run": ("nanoqwen.cli.run", "generate text"),
+    "bench": ("nanoqwen.cli.bench", "benchmarks (pp512/tg128 protocol, --kernels for GEMV bandwidth)"),
+}
+
+
+def _main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="nanoqwen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv else None
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    args = parser.parse_args(argv)
+    return args._run(args)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

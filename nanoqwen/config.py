@@ -1,0 +1,148 @@
+"""config/nanoqwen.yaml -> frozen dataclasses. The dataclasses are the schema: an unknown or missing key
+is a ConfigError that names the key's full path (e.g. ``quant.group_size``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import ROOT, NanoqwenError
+
+DEFAULT_PATH = ROOT / "config" / "nanoqwen.yaml"
+
+
+class ConfigError(NanoqwenError):
+    pass
+
+
+@dataclass(frozen=True)
+class Quant:
+    group_size: int
+    symmetric: bool
+    qmax: int
+    zero_point: int
+    scale_dtype: str
+    layout_id: int
+    layout_name: str
+    packed_layout: tuple[int, ...]
+    int4_tensors: tuple[str, ...]
+
+    def __post_init__(self):
+        if sorted(self.packed_layout) != list(range(8)):
+            raise ConfigError(f"quant.packed_layout must be a permutation of 0..7, got {list(self.packed_layout)}")
+        if self.group_size <= 0 or self.group_size % 8:
+            raise ConfigError(f"quant.group_size must be a positive multiple of 8, got {self.group_size}")
+        if not self.symmetric or self.zero_point != 0 or self.qmax != 7 or self.scale_dtype != "fp16":
+            raise ConfigError("quant: only symmetric INT4 (qmax 7, zero point 0, fp16 scales) is implemented")
+
+    @property
+    def bit_offsets(self) -> tuple[int, ...]:
+        """Bit offset of logical lane k inside its uint32 (ValueShuffle: 0,16,4,20,8,24,12,28)."""
+        return tuple(4 * self.packed_layout.index(k) for k in range(8))
+
+
+@dataclass(frozen=True)
+class File:
+    magic: str
+    version: int
+    header_bytes: int
+    alignment: int
+
+
+@dataclass(frozen=True)
+class KVCache:
+    page_size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Codegen:
+    arch: str
+    nvrtc_options: tuple[str, ...]
+    cache_dir: str
+    compile_workers: int
+
+
+@dataclass(frozen=True)
+class Bench:
+    batch: int
+    prompt_tokens: int
+    gen_tokens: int
+    warmup: int
+    repetitions: int
+    lock_clocks: bool
+    l2_rotate_bytes: int
+
+
+@dataclass(frozen=True)
+class Validation:
+    gemv_rel_tol: float
+    reference_vs_transformers_rel: float
+    graph_token_match: float
+    graph_prompts: int
+
+
+@dataclass(frozen=True)
+class Config:
+    quant: Quant
+    file: File
+    kv_cache: KVCache
+    codegen: Codegen
+    bench: Bench
+    validation: Validation
+
+
+def _build(cls, data, path: str):
+    """Recursively build dataclass ``cls`` from ``data``, exact key sets, light type coercion."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}{key}'")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            raise ConfigError(f"missing config key '{path}{name}'")
+        kwargs[name] = _coerce(hints[name], data[name], f"{path}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, path: str):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path + ".")
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (elem, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{path}' must be a list")
+        return tuple(_coerce(elem, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or tp is not bool and (
+            not isinstance(value, tp) or isinstance(value, bool)):
+        raise ConfigError(f"config key '{path}' must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def load(path: str | Path = DEFAULT_PATH) -> Config:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return _build(Config, data, "")
+
+
+@functools.cache
+def default() -> Config:
+    """The repository's config, loaded once per process."""
+    return load(DEFAULT_PATH)
