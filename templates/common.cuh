@@ -1,0 +1,72 @@
+// nanoqwen device helpers shared by every template. Header-free on purpose: NVRTC 12.9 ships no
+// cuda_fp16.h, so fp16 values are raw bits and every fp16 operation is one line of inline PTX
+// (which also pins the exact instruction we want in the SASS).
+#pragma once
+
+typedef unsigned short f16;    // one IEEE fp16, raw bits
+typedef unsigned int f16x2;    // two fp16: element 0 in the low 16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NQ_DEVICE __device__ __forceinline__
+
+// ---- conversions -------------------------------------------------------------------------------
+NQ_DEVICE float f16_to_f32(f16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+
+// fp32 -> fp16 saturating: Qwen2's massive residual activations must clamp to +-65504, never become inf
+// (DESIGN.md section 4). NaN stays NaN.
+NQ_DEVICE f16 f32_to_f16_sat(float f) {
+    f16 h; asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+// Packs (lo, hi) into one f16x2 with saturation: lo lands in the low half.
+NQ_DEVICE f16x2 f32x2_to_f16x2_sat(float lo, float hi) {
+    f16x2 r; asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+NQ_DEVICE float f16x2_lo(f16x2 v) { return f16_to_f32((f16)(v & 0xffffu)); }
+NQ_DEVICE float f16x2_hi(f16x2 v) { return f16_to_f32((f16)(v >> 16)); }
+
+// ---- packed fp16 arithmetic (HFMA2 / HADD2 / HMUL2 in SASS) ------------------------------------
+NQ_DEVICE f16x2 hfma2(f16x2 a, f16x2 b, f16x2 c) {
+    f16x2 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+NQ_DEVICE f16x2 hadd2(f16x2 a, f16x2 b) { f16x2 d; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+NQ_DEVICE f16x2 hsub2(f16x2 a, f16x2 b) { f16x2 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+NQ_DEVICE f16x2 hmul2(f16x2 a, f16x2 b) { f16x2 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+
+// d = (a & b) | c in one LOP3: the core of the magic-number INT4 -> fp16 unpack.
+NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 d; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+
+// ---- warp reductions -----------------------------------------------------------------------------
+NQ_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+NQ_DEVICE float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---- Programmatic Dependent Launch ---------------------------------------------------------------
+// Weights never depend on the previous kernel: a kernel issues its first weight loads, then waits here
+// before touching activations the previous kernel wrote. A no-op when launched without the PDL attribute.
+NQ_DEVICE void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel in the stream start its own weight prefetch while this one finishes.
+NQ_DEVICE void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// ---- memory ---------------------------------------------------------------------------------------
+// L2 policy for data read once per token (weights): evict-first, so it does not push the KV cache and
+// activations out of L2. Create once per thread, pass to ld_stream_u4.
+NQ_DEVICE u64 l2_evict_first_policy() {
+    u64 p; asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); return p;
+}
+// Streaming 16-byte weight load: read-only path, no L1 allocation, L2 evict-first hint.
+NQ_DEVICE uint4 ld_stream_u4(const void* p, u64 policy) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    return v;
+}
