@@ -1,0 +1,209 @@
+"""A kernel variant is a frozen, hashable dataclass: its fields are the template parameters, its
+``uri`` / ``entry`` name the generated module and its ``extern "C"`` function, ``launch()`` gives the
+grid it was written for. Families subclass ``KernelSpec`` in ``codegen/kernels/<family>.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import NanoqwenError
+
+
+class SpecError(NanoqwenError):
+    """An impossible or malformed kernel spec (unknown family/parameter, bad value, broken invariant)."""
+
+
+# sm_90: 1024 threads per block, 227 KB of shared memory per block (opt-in above 48 KB).
+MAX_THREADS = 1024
+MAX_SMEM = 227 * 1024
+_GRID_MAX = (2**31 - 1, 65535, 65535)
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int = 0  # dynamic shared memory bytes
+
+    def __post_init__(self):
+        for name in ("grid", "block"):
+            v = getattr(self, name)
+            if not (isinstance(v, tuple) and len(v) == 3 and all(_is_int(x) and x > 0 for x in v)):
+                raise SpecError(f"Launch.{name} must be three positive ints, got {v!r}")
+        if any(g > m for g, m in zip(self.grid, _GRID_MAX)):
+            raise SpecError(f"Launch.grid {self.grid} exceeds the CUDA limits {_GRID_MAX}")
+        if math.prod(self.block) > MAX_THREADS:
+            raise SpecError(f"Launch.block {self.block} has {math.prod(self.block)} threads > {MAX_THREADS}")
+        if not (_is_int(self.smem) and 0 <= self.smem <= MAX_SMEM):
+            raise SpecError(f"Launch.smem must be 0..{MAX_SMEM} bytes, got {self.smem!r}")
+
+    @property
+    def threads(self) -> int:
+        return math.prod(self.block)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# Field types a template parameter may have: they hash, compare and repr deterministically.
+_SCALARS = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: ClassVar[str]
+    template: ClassVar[str]            # file name inside templates/
+    uri_fields: ClassVar[tuple[str, ...]] = ()   # fields shown in the readable URI, in this order
+
+    # ---- subclass hooks ----------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise SpecError for a malformed or impossible spec. Subclasses call super().validate() first,
+        then check their own invariants (divisibility, resource limits) with messages naming the field."""
+        hints = self.field_types()
+        for f in dataclasses.fields(self):
+            _check_type(self.family, f.name, hints[f.name], getattr(self, f.name))
+        for name in self.uri_fields:
+            if name not in hints:
+                raise SpecError(f"{type(self).__name__}.uri_fields names unknown field {name!r}")
+
+    def context(self) -> dict:
+        """Template variables: every field, plus ``entry`` (the extern "C" name) and ``spec_repr``."""
+        ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        ctx.update(entry=self.entry, spec_repr=self.spec_repr)
+        return ctx
+
+    def launch(self) -> Launch:
+        raise NotImplementedError(f"{type(self).__name__}.launch()")
+
+    # ---- derived names -------------------------------------------------------------------------------
+    @property
+    def spec_repr(self) -> str:
+        """Canonical text of the spec (family, template, every field in declaration order): hashed into
+        the URI and embedded in the generated source."""
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{self.family}[{self.template}]({fields})"
+
+    @property
+    def hash8(self) -> str:
+        return hashlib.sha256(self.spec_repr.encode()).hexdigest()[:8]
+
+    @property
+    def uri(self) -> str:
+        """``<family>_<field><value>..._<8hex>``, a valid C identifier, e.g. gemv_int4_n18944_k3584_<8hex>."""
+        parts = [self.family] + [_uri_part(n, getattr(self, n)) for n in self.uri_fields] + [self.hash8]
+        return re.sub(r"[^0-9A-Za-z_]", "_", "_".join(parts))
+
+    @property
+    def entry(self) -> str:
+        return self.uri
+
+    # ---- construction from text (CLI, tuned results) ----------------------------------------------------
+    @classmethod
+    def field_types(cls) -> dict[str, type]:
+        return {k: v for k, v in typing.get_type_hints(cls).items() if k in _field_names(cls)}
+
+    @classmethod
+    def parameters(cls) -> dict[str, tuple[type, object]]:
+        """name -> (type, default); default is dataclasses.MISSING for a required parameter."""
+        hints = cls.field_types()
+        return {f.name: (hints[f.name], f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING))
+                for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_params(cls, **kv) -> "KernelSpec":
+        """Build and validate a spec; string values are coerced to the field's type ("4", "true", "1,2")."""
+        params = cls.parameters()
+        unknown = sorted(set(kv) - set(params))
+        if unknown:
+            raise SpecError(f"{cls.family}: unknown parameter(s) {', '.join(unknown)} "
+                            f"(known: {', '.join(params)})")
+        missing = [n for n, (_, d) in params.items() if d is dataclasses.MISSING and n not in kv]
+        if missing:
+            raise SpecError(f"{cls.family}: missing required parameter(s) {', '.join(missing)}")
+        values = {n: coerce(cls.family, n, params[n][0], v) if isinstance(v, str) else v for n, v in kv.items()}
+        spec = cls(**values)
+        spec.validate()
+        return spec
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _uri_part(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"{name}{int(value)}"
+    if isinstance(value, tuple):
+        return name + "x".join(str(v) for v in value)
+    return f"{name}{value}"
+
+
+def _check_type(family: str, name: str, tp, value) -> None:
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, tuple):
+            raise SpecError(f"{family}.{name} must be a tuple, got {value!r}")
+        elems = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(elems) != len(value):
+            raise SpecError(f"{family}.{name} must have {len(elems)} elements, got {value!r}")
+        for i, (t, v) in enumerate(zip(elems, value)):
+            _check_type(family, f"{name}[{i}]", t, v)
+        return
+    if tp not in _SCALARS:
+        raise SpecError(f"{family}.{name}: field type {tp!r} is not a template parameter type "
+                        f"(bool, int, float, str or tuples of them)")
+    ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+    if tp is float and _is_int(value):
+        ok = False  # 1 and 1.0 repr differently: keep one spelling per spec
+    if not ok:
+        raise SpecError(f"{family}.{name} must be {tp.__name__}, got {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise SpecError(f"{family}.{name} must be finite, got {value!r}")
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def coerce(family: str, name: str, tp, text: str):
+    """Parse ``text`` as field type ``tp``: ints accept 0x.., bools true/false/1/0, tuples are
+    comma-separated."""
+    try:
+        if typing.get_origin(tp) is tuple:
+            args = typing.get_args(tp)
+            items = [s.strip() for s in text.split(",") if s.strip()] if text.strip() else []
+            elems = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
+            if len(elems) != len(items):
+                raise ValueError(f"expected {len(elems)} comma-separated values")
+            return tuple(coerce(family, name, t, s) for t, s in zip(elems, items))
+        if tp is bool:
+            low = text.strip().lower()
+            if low in _TRUE or low in _FALSE:
+                return low in _TRUE
+            raise ValueError("expected true/false")
+        if tp is int:
+            return int(text, 0)
+        if tp is float:
+            return float(text)
+        return text
+    except ValueError as e:
+        raise SpecError(f"{family}.{name}: cannot parse {text!r} as {getattr(tp, '__name__', tp)}: {e}") from None
+
+
+def parse_params(items) -> dict[str, str]:
+    """["k=v", ...] -> {k: v} (values stay text; from_params coerces them per field)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"parameter {item!r} is not of the form name=value")
+        out[key.strip()] = value.strip()
+    return out
