@@ -18,7 +18,10 @@ def gpu_available() -> bool:
         from cuda.bindings import driver
     except ImportError:
         return False
-    err, = driver.cuInit(0)
+    try:
+        err, = driver.cuInit(0)
+    except Exception:  # noqa: BLE001 - cuda-bindings 13 raises when libcuda itself is absent
+        return False
     if err != driver.CUresult.CUDA_SUCCESS:
         return False
     err, n = driver.cuDeviceGetCount()

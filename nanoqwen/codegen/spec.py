@@ -5,6 +5,7 @@ grid it was written for. Families subclass ``KernelSpec`` in ``codegen/kernels/<
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -107,7 +108,7 @@ class KernelSpec:
     # ---- construction from text (CLI, tuned results) ----------------------------------------------------
     @classmethod
     def field_types(cls) -> dict[str, type]:
-        return {k: v for k, v in typing.get_type_hints(cls).items() if k in _field_names(cls)}
+        return _field_types(cls)
 
     @classmethod
     def parameters(cls) -> dict[str, tuple[type, object]]:
@@ -118,27 +119,38 @@ class KernelSpec:
                 for f in dataclasses.fields(cls)}
 
     @classmethod
-    def from_params(cls, **kv) -> "KernelSpec":
-        """Build and validate a spec; string values are coerced to the field's type ("4", "true", "1,2")."""
+    def typed_params(cls, kv: dict) -> dict:
+        """``kv`` with every text value coerced to its field's type; SpecError names unknown parameters."""
         params = cls.parameters()
         unknown = sorted(set(kv) - set(params))
         if unknown:
             raise SpecError(f"{cls.family}: unknown parameter(s) {', '.join(unknown)} "
                             f"(known: {', '.join(params)})")
-        missing = [n for n, (_, d) in params.items() if d is dataclasses.MISSING and n not in kv]
+        return {n: coerce(cls.family, n, params[n][0], v) if isinstance(v, str) else v for n, v in kv.items()}
+
+    @classmethod
+    def from_params(cls, **kv) -> "KernelSpec":
+        """Build and validate a spec; text values are coerced to the field's type ("4", "true", "1,2")."""
+        values = cls.typed_params(kv)
+        missing = [n for n, (_, d) in cls.parameters().items() if d is dataclasses.MISSING and n not in values]
         if missing:
             raise SpecError(f"{cls.family}: missing required parameter(s) {', '.join(missing)}")
-        values = {n: coerce(cls.family, n, params[n][0], v) if isinstance(v, str) else v for n, v in kv.items()}
         spec = cls(**values)
         spec.validate()
         return spec
 
 
-def _field_names(cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+@functools.cache
+def _field_types(cls) -> dict[str, type]:
+    """Resolved annotations of the dataclass fields (string annotations under `from __future__`)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
 
 
 def _uri_part(name: str, value) -> str:
+    """n18944, fast1, tile4x8; a str field shows its value alone (epilogue "swiglu" -> swiglu)."""
+    if isinstance(value, str):
+        return value
     if isinstance(value, bool):
         return f"{name}{int(value)}"
     if isinstance(value, tuple):
@@ -207,3 +219,9 @@ def parse_params(items) -> dict[str, str]:
             raise SpecError(f"parameter {item!r} is not of the form name=value")
         out[key.strip()] = value.strip()
     return out
+
+
+def from_params(family: str, **kv) -> KernelSpec:
+    """The registered family's spec built from keyword values (text values are coerced per field)."""
+    from .kernels import family as lookup  # the registry imports this module
+    return lookup(family).from_params(**kv)
