@@ -1,0 +1,159 @@
+"""The attention side of a decode step (docs/architecture.md, "Decode step"): ``rope_append`` (RoPE on q, k
+and the append of f16(k_rot), f16(v) to the paged KV cache), ``attention_decode`` (paged, split along the
+sequence, warp-specialized: one producer warp bulk-copies K/V pages into a shared-memory ring, consumer
+warps run the fp32 online softmax) and ``attention_combine`` (merges the splits into o16 for o_proj).
+
+Partials between decode and combine, fp32, per query head h and split s (row = h * splits + s):
+``part_acc [heads, splits, head_dim]`` the unnormalized sum exp2(s2 - m2) * v, ``part_ml [heads, splits, 2]``
+(m2, l) with scores in base-2 units s2 = q.k * log2(e) / sqrt(head_dim) and l = sum exp2(s2 - m2).
+An empty split (short sequences) writes (-inf, 0, 0). Sizes: ``partial_bytes(decode_spec)``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...config import Config
+from ...dims import ModelDims
+from ..spec import KernelSpec, Launch, SpecError
+
+STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
+# ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
+# shared memory, seen in every compiled variant), so the 48 KB check counts it.
+SM90_RESERVED_SMEM = 1024
+VEC = 8                        # fp16 per lane per K/V row in attention_decode (one 16-byte load)
+
+
+@dataclass(frozen=True)
+class AttentionDecodeSpec(KernelSpec):
+    family = "attention_decode"
+    template = "attention_decode.cu.j2"
+    uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps")
+    # Kernel parameters in template order: (name, kind) for driver.Function.launch.
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("state", "ptr"), ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"),
+        ("part_acc", "ptr"), ("part_ml", "ptr"))
+
+    head_dim: int
+    kv_heads: int
+    gqa: int                  # query heads per KV head; one CTA serves all of them
+    splits: int               # sequence splits (grid.y); the page range of each is computed on the device
+    page_size: int = 16
+    stages: int = 3           # K/V pages in flight (ring depth)
+    consumer_warps: int = 4   # softmax warps beside the producer warp
+    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "plain": consumers read
+    # pages straight from global with the same math, no producer/ring: a debugging oracle on the GPU.
+    pipeline: str = "bulk"
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("head_dim", "kv_heads", "gqa", "splits", "page_size", "stages", "consumer_warps"):
+            if getattr(self, name) <= 0:
+                raise SpecError(f"attention_decode.{name} must be positive, got {getattr(self, name)}")
+        lanes = self.head_dim // VEC
+        if self.head_dim % VEC or 32 % lanes or lanes > 32:
+            raise SpecError(f"attention_decode.head_dim={self.head_dim}: a K/V row must split into 16-byte "
+                            f"lanes of one warp (head_dim = 8 * a divisor of 32)")
+        rows = 32 // lanes
+        if self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
+            raise SpecError(f"attention_decode.consumer_warps={self.consumer_warps}: each warp must own a "
+                            f"multiple of {rows} of the {self.page_size} tokens of a page")
+        if self.pipeline not in ("bulk", "plain"):
+            raise SpecError(f"attention_decode.pipeline must be 'bulk' or 'plain', got {self.pipeline!r}")
+        if self.stages > 8:
+            raise SpecError(f"attention_decode.stages must be 1..8, got {self.stages}")
+        if self.splits > 65535:
+            raise SpecError(f"attention_decode.splits={self.splits} exceeds grid.y 65535")
+        if self.static_smem() > STATIC_SMEM_LIMIT:
+            raise SpecError(f"attention_decode: {self.static_smem()} B of static shared memory > "
+                            f"{STATIC_SMEM_LIMIT} (lower stages or consumer_warps)")
+
+    @property
+    def producers(self) -> int:
+        return 1 if self.pipeline == "bulk" else 0
+
+    def static_smem(self) -> int:
+        ring = 2 * self.stages * self.page_size * self.head_dim * 2 * self.producers
+        barriers = 2 * self.stages * 8 * self.producers
+        merge = self.consumer_warps * self.gqa * self.head_dim * 4   # shares memory with the ring
+        return max(ring, merge) + barriers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
+
+    def context(self) -> dict:
+        return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim)}
+
+    def launch(self) -> Launch:
+        return Launch(grid=(self.kv_heads, self.splits, 1), block=(32 * (self.producers + self.consumer_warps), 1, 1))
+
+
+@dataclass(frozen=True)
+class AttentionCombineSpec(KernelSpec):
+    family = "attention_combine"
+    template = "attention_combine.cu.j2"
+    uri_fields = ("head_dim", "heads", "splits")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (("part_acc", "ptr"), ("part_ml", "ptr"), ("o16", "ptr"))
+
+    head_dim: int
+    heads: int
+    splits: int
+
+    def validate(self) -> None:
+        super().validate()
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 1024:
+            raise SpecError(f"attention_combine.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
+        if self.heads <= 0 or self.splits <= 0:
+            raise SpecError(f"attention_combine: heads and splits must be positive, got {self.heads}, {self.splits}")
+
+    def launch(self) -> Launch:
+        return Launch(grid=(self.heads, 1, 1), block=(self.head_dim, 1, 1))
+
+
+@dataclass(frozen=True)
+class RopeAppendSpec(KernelSpec):
+    family = "rope_append"
+    template = "rope_append.cu.j2"
+    uri_fields = ("head_dim", "heads", "kv_heads")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("state", "ptr"), ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"),
+        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"))
+
+    head_dim: int
+    heads: int
+    kv_heads: int
+    page_size: int = 16
+
+    def validate(self) -> None:
+        super().validate()
+        if self.head_dim % 64 or self.head_dim > 2048:
+            raise SpecError(f"rope_append.head_dim must be a multiple of 64 (head_dim/2 threads in whole warps), "
+                            f"got {self.head_dim}")
+        if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads or self.page_size <= 0:
+            raise SpecError(f"rope_append: bad heads/kv_heads/page_size {self.heads}/{self.kv_heads}/{self.page_size}")
+
+    def launch(self) -> Launch:
+        return Launch(grid=(self.heads + self.kv_heads, 1, 1), block=(self.head_dim // 2, 1, 1))
+
+
+def splits_for(kv_heads: int, target_ctas: int) -> int:
+    """Sequence splits so that kv_heads x splits fills ``target_ctas`` CTAs (one wave)."""
+    return max(1, target_ctas // kv_heads)
+
+
+def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
+    """(part_acc, part_ml) buffer sizes in bytes for ``spec``."""
+    rows = spec.kv_heads * spec.gqa * spec.splits
+    return rows * spec.head_dim * 4, rows * 2 * 4
+
+
+def decode_specs(dims: ModelDims, cfg: Config) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
+    """The three attention-side kernels of one decode step, in launch order."""
+    a, page = cfg.attention, cfg.kv_cache.page_size
+    splits = splits_for(dims.kv_heads, a.target_ctas)
+    return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page),
+            AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
+                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps),
+            AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits))
+
+
+def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
+    return list(decode_specs(dims, cfg))

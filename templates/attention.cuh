@@ -1,0 +1,21 @@
+// Attention math shared by the decode kernels (split partials and their combine). Scores are kept in
+// base-2 units: s2 = (q . k) * log2(e) / sqrt(head_dim), so exp(s - m) = exp2(s2 - m2) is one MUFU.EX2.
+// A partial is (m2, l, acc): running max in base-2 units, sum of exp2(s2 - m2), unnormalized
+// sum of exp2(s2 - m2) * v. An empty partial is (-inf, 0, 0) and merges as the identity.
+#pragma once
+#include "common.cuh"
+
+#define NQ_NEG_INF (__int_as_float(0xff800000))
+
+// The reference the exponents are taken against: m2 itself, or 0 while nothing was seen (m2 = -inf),
+// so that exp2(-inf - ref) = 0 instead of exp2(-inf + inf) = NaN.
+NQ_DEVICE float softmax_ref(float m2) { return m2 == NQ_NEG_INF ? 0.f : m2; }
+
+// Merges the parts of one query head: weight of part j is exp2(m_j - max_j m_j).
+NQ_DEVICE float part_weight(float m_part, float m_ref) { return exp2f(m_part - m_ref); }
+
+// Eight fp16 (one 16-byte shared-memory vector) -> eight fp32.
+NQ_DEVICE void f16x8_to_f32(uint4 v, float (&f)[8]) {
+    f[0] = f16x2_lo(v.x); f[1] = f16x2_hi(v.x); f[2] = f16x2_lo(v.y); f[3] = f16x2_hi(v.y);
+    f[4] = f16x2_lo(v.z); f[5] = f16x2_hi(v.z); f[6] = f16x2_lo(v.w); f[7] = f16x2_hi(v.w);
+}

@@ -1,0 +1,175 @@
+"""CPU tests of the attention side (no GPU): every rope_append / attention_decode / attention_combine
+variant renders and compiles for sm_90a without spills or local memory, its kernel parameters match the
+spec's `signature`, the SASS really uses the bulk-copy engine and mbarriers; spec validation; and the
+paged KV cache's layout, reservation and error cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from nanoqwen import codegen, config
+from nanoqwen.codegen import resources
+from nanoqwen.codegen.kernels import attention as A
+from nanoqwen.codegen.spec import SpecError
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.runtime.paged_kv import KVCacheError, KVLayout, PageTable
+from nanoqwen.testmodels import tiny_dims
+
+CFG = config.default()
+# head_dim 64 like Qwen2.5-0.5B (14 query heads, 2 KV heads)
+D64 = dataclasses.replace(QWEN25_7B, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864)
+MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims(), "hd64": D64}
+VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=2, consumer_warps=2),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=5, splits=16, stages=2, consumer_warps=8),
+    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, stages=4, consumer_warps=2),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=2, consumer_warps=8),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="plain"),
+    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="plain"),
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("attention-cache")))
+    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
+    try:
+        yield {b.spec: b for b in codegen.build_many(VARIANTS)}
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=[s.uri for s in VARIANTS])
+def test_compiles_without_spills_or_local_memory(built, spec):
+    b = built[spec]
+    r = b.resources
+    assert (r.spill_stores, r.spill_loads) == (0, 0), f"{spec.uri}: {r}"
+    assert r.local_bytes == 0 and r.max_stack == 0, f"{spec.uri}: {r}"
+    assert r.registers * b.launch.threads <= 65536
+    if isinstance(spec, A.AttentionDecodeSpec):
+        # the Python smem estimate is what validate() checks against the 48 KB static limit
+        assert spec.static_smem() <= r.shared_static <= spec.static_smem() + 128, r
+        assert r.shared_static <= A.STATIC_SMEM_LIMIT
+
+
+@pytest.mark.parametrize("spec", VARIANTS[:3], ids=[s.uri for s in VARIANTS[:3]])
+def test_signature_matches_template_parameters(spec):
+    src = codegen.render(spec)
+    m = re.search(re.escape(spec.entry) + r"\((.*?)\)\s*\{", src, re.S)
+    assert m, "entry not found in rendered source"
+    names = [p.split()[-1].lstrip("*") for p in m.group(1).split(",")]
+    assert names == [n for n, _ in spec.signature]
+    assert codegen.render(spec) == src  # deterministic
+
+
+def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
+    if resources.tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    spec = A.decode_specs(QWEN25_7B, CFG)[1]
+    sass = resources.sass(built[spec].cubin)
+    assert sass.count("UBLKCP") == 2, "one bulk copy each for the K and the V page"
+    assert "SYNCS.ARRIVE.TRANS64" in sass and "SYNCS.PHASECHK" in sass
+    # exactly two CTA-wide barriers (after mbarrier init, after both roles left their branches) and one
+    # named barrier over the 4 consumer warps only (before the merge buffer overwrites the ring)
+    assert len(re.findall(r"BAR\.SYNC\S* 0x0 ;", sass)) == 2
+    assert len(re.findall(r"BAR\.SYNC\S* 0x1, 0x80 ;", sass)) == 1
+    assert "LDL" not in sass and "STL" not in sass
+    plain = resources.sass(built[dataclasses.replace(spec, pipeline="plain")].cubin)
+    assert "UBLKCP" not in plain and "SYNCS" not in plain
+
+
+def test_specs_for_model_fill_the_device():
+    rope, dec, comb = A.decode_specs(QWEN25_7B, CFG)
+    assert dec.launch().grid == (4, 33, 1) and dec.gqa == 7 and dec.page_size == CFG.kv_cache.page_size
+    assert comb.splits == dec.splits and comb.heads == 28
+    assert rope.launch().grid == (32, 1, 1) and rope.launch().block == (64, 1, 1)
+    assert A.partial_bytes(dec) == (28 * 33 * 128 * 4, 28 * 33 * 2 * 4)
+    assert A.decode_specs(tiny_dims(), CFG)[1].splits == CFG.attention.target_ctas
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(head_dim=96), "head_dim"),                 # 12 lanes per row do not tile a warp
+    (dict(consumer_warps=3), "consumer_warps"),      # 16 tokens do not split over 3 warps
+    (dict(consumer_warps=16), "consumer_warps"),     # 1 token per warp < 2 rows per pass
+    (dict(stages=9), "stages"),
+    (dict(stages=8, gqa=8, consumer_warps=8, head_dim=256), "shared memory"),
+    (dict(splits=0), "splits"),
+    (dict(pipeline="tma"), "pipeline"),
+])
+def test_decode_spec_rejects_impossible_variants(kw, match):
+    base = dict(head_dim=128, kv_heads=4, gqa=7, splits=33)
+    with pytest.raises(SpecError, match=match):
+        A.AttentionDecodeSpec(**(base | kw)).validate()
+
+
+def test_other_specs_reject_bad_head_dim():
+    with pytest.raises(SpecError, match="head_dim"):
+        A.RopeAppendSpec(head_dim=96, heads=7, kv_heads=1).validate()
+    with pytest.raises(SpecError, match="head_dim"):
+        A.AttentionCombineSpec(head_dim=48, heads=7, splits=4).validate()
+
+
+# ---------------------------------------------------------------- paged KV cache (host logic)
+
+def test_layout_sizes_7b():
+    lay = KVLayout.for_model(QWEN25_7B, CFG, max_tokens=4096)
+    assert lay.page_bytes == 4096 and lay.num_pages == 256 and lay.pool_shape == (256, 4, 16, 128)
+    assert lay.pool_bytes == 256 * 4 * 4096
+    assert lay.total_bytes == 2 * 28 * lay.pool_bytes + 256 * 4  # 224 MiB + the table
+    assert lay.capacity_tokens == 4096
+    assert lay.element_offset(3, 2, 5) == ((3 * 4 + 2) * 16 + 5) * 128
+    # never larger than the model's positions
+    small = dataclasses.replace(tiny_dims(), max_positions=100)
+    lay = KVLayout.for_model(small, CFG, max_tokens=10_000)
+    assert lay.num_pages == 7 and lay.capacity_tokens == 100 and lay.table_len == 7
+
+
+def test_reserve_release_reuse():
+    lay = KVLayout(layers=2, kv_heads=1, head_dim=128, page_size=16, num_pages=10, max_positions=4096)
+    order = np.random.default_rng(0).permutation(10)
+    pt = PageTable(lay, order)
+    table = pt.reserve(33)  # 3 pages
+    assert table.dtype == np.int32 and table.shape == (10,)
+    assert table[:3].tolist() == order[:3].tolist() and (table[3:] == -1).all()
+    assert pt.reserved_tokens == 48 and pt.locate(32) == (int(order[2]), 0) and pt.locate(17) == (int(order[1]), 1)
+    pt.reserve(40)  # still 3 pages: nothing moves
+    assert table[:3].tolist() == order[:3].tolist() and pt.mapped_pages == 3
+    pt.reserve(160)  # grows to the whole pool, keeping the first pages
+    assert sorted(table.tolist()) == list(range(10)) and table[:3].tolist() == order[:3].tolist()
+    with pytest.raises(KVCacheError, match="outside the reservation"):
+        pt.locate(160)
+    pt.release()
+    assert (table == -1).all() and pt.mapped_pages == 0
+    assert len(set(pt.reserve(160).tolist())) == 10
+
+
+def test_reserve_errors_change_nothing():
+    lay = KVLayout(layers=1, kv_heads=2, head_dim=64, page_size=16, num_pages=4, max_positions=50)
+    pt = PageTable(lay)
+    pt.reserve(20)
+    before = pt.table.copy()
+    with pytest.raises(KVCacheError, match="max_position_embeddings"):
+        pt.reserve(51)
+    with pytest.raises(KVCacheError, match="at least one token"):
+        pt.reserve(0)
+    assert (pt.table == before).all() and pt.mapped_pages == 2
+    lay = KVLayout(layers=1, kv_heads=2, head_dim=64, page_size=16, num_pages=4, max_positions=4096)
+    pt = PageTable(lay)
+    with pytest.raises(KVCacheError, match="capacity of 64 tokens"):
+        pt.reserve(65)
+    assert (pt.table == -1).all() and pt.reserve(64).tolist() == [0, 1, 2, 3]
+
+
+def test_layout_and_table_reject_bad_input():
+    with pytest.raises(KVCacheError, match="num_pages"):
+        KVLayout(layers=1, kv_heads=1, head_dim=128, page_size=16, num_pages=0, max_positions=16)
+    with pytest.raises(KVCacheError, match="multiple of 16 bytes"):
+        KVLayout(layers=1, kv_heads=1, head_dim=4, page_size=1, num_pages=1, max_positions=16)
+    lay = KVLayout(layers=1, kv_heads=1, head_dim=128, page_size=16, num_pages=3, max_positions=64)
+    with pytest.raises(KVCacheError, match="permutation"):
+        PageTable(lay, order=[0, 0, 1])
