@@ -61,6 +61,44 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class Attention:
+    target_ctas: int
+    stages: int
+    consumer_warps: int
+
+
+@dataclass(frozen=True)
+class Embed:
+    threads: int
+
+
+@dataclass(frozen=True)
+class LmHead:
+    warps: int
+    rows_per_warp: int
+    unroll: int
+    ctas: int
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    rows: int
+    lanes: int
+    warps: int
+    tiles_per_warp: int
+    unroll: int
+    splitk: int
+
+
+@dataclass(frozen=True)
+class GemvInt4:
+    qkv: GemvTile
+    o_proj: GemvTile
+    gate_up: GemvTile
+    down: GemvTile
+
+
+@dataclass(frozen=True)
 class Codegen:
     arch: str
     nvrtc_options: tuple[str, ...]
@@ -92,6 +130,10 @@ class Config:
     quant: Quant
     file: File
     kv_cache: KVCache
+    attention: Attention
+    embed: Embed
+    lm_head: LmHead
+    gemv_int4: GemvInt4
     codegen: Codegen
     bench: Bench
     validation: Validation

@@ -1,0 +1,167 @@
+"""`nanoqwen pack` on tiny generated HF directories, `pack --random`, `inspect`; HF reader errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from nanoqwen import pack as pack_mod
+from nanoqwen.cli.main import main
+from nanoqwen.dims import DimsError
+from nanoqwen.hf import HFCheckpoint, HFError
+from nanoqwen.nqfile import INT4, NanoqwenFile, expected_tensors
+from nanoqwen.pack import pack_hf, pack_random
+from nanoqwen.quant import QuantError, quantize, to_fp16, unpack
+
+from _hf_dirs import TINY, write_hf_dir
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Row blocks of a few rows, so every tensor is streamed in many blocks across the thread pool."""
+    monkeypatch.setattr(pack_mod, "BLOCK_ELEMS", 3 * 256)
+
+
+def _check_packed(path, weights):
+    f = NanoqwenFile(path)
+    f.verify()
+    assert f.dims == TINY and not f.synthetic
+    exp = expected_tensors(TINY)
+    for name, w in weights.items():
+        if exp[name][0] == INT4:
+            q, s = quantize(w)
+            packed, scales = f.int4(name)
+            np.testing.assert_array_equal(unpack(packed), q, err_msg=name)
+            np.testing.assert_array_equal(scales, s, err_msg=name)
+        else:
+            np.testing.assert_array_equal(f.array(name), to_fp16(w), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype,shards", [("bf16", 3), ("fp32", 1), ("fp16", 2)])
+def test_pack_equals_quantize_of_original(tmp_path, dtype, shards):
+    weights = write_hf_dir(tmp_path / "hf", dtype=dtype, shards=shards, seed=shards)
+    out = tmp_path / "m.nanoqwen"
+    pack_hf(HFCheckpoint(tmp_path / "hf"), out, workers=2)
+    _check_packed(out, weights)
+
+
+def test_cli_pack_and_inspect(tmp_path, capsys):
+    weights = write_hf_dir(tmp_path / "hf", dtype="bf16", shards=2)
+    out = tmp_path / "m.nanoqwen"
+    assert main(["pack", str(tmp_path / "hf"), "-o", str(out)]) == 0
+    _check_packed(out, weights)
+    assert main(["inspect", str(out), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "layout 1 (ValueShuffle)" in text and "real weights" in text and "checksums OK" in text
+    assert "model.layers.1.mlp.down_proj.weight.scales" in text and "INT4 scales" in text
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["pack", "-o", str(tmp_path / "x.nanoqwen")]) == 1
+    assert main(["pack", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.nanoqwen")]) == 1
+    (tmp_path / "bad.nanoqwen").write_bytes(b"\0" * 300)
+    assert main(["inspect", str(tmp_path / "bad.nanoqwen")]) == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 3 and "magic" in err[2] and "nowhere" in err[1]
+
+
+def test_random_pack_deterministic_and_synthetic(tmp_path):
+    a, b, c = (tmp_path / f"{n}.nanoqwen" for n in "abc")
+    pack_random(TINY, a, seed=7, workers=2)
+    pack_random(TINY, b, seed=7, workers=1)  # thread count must not change the bytes
+    pack_random(TINY, c, seed=8, workers=2)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    f = NanoqwenFile(a)
+    f.verify()
+    assert f.synthetic and f.dims == TINY
+    packed, scales = f.int4("model.layers.0.mlp.down_proj.weight")
+    q = unpack(packed)
+    assert q.min() == -7 and q.max() == 7  # never -8, full range used
+    assert np.isfinite(scales).all() and (scales > 0).all()
+    norm = f.array("model.layers.1.input_layernorm.weight").astype(np.float32)
+    assert abs(norm.mean() - 1) < 0.01
+    emb = f.array("model.embed_tokens.weight").astype(np.float32)
+    assert 0.015 < emb.std() < 0.025
+    # W x keeps the scale of x (the scales follow 1/sqrt(K))
+    x = np.random.default_rng(0).standard_normal(TINY.intermediate).astype(np.float32)
+    y = (q.astype(np.float32) * np.repeat(scales.astype(np.float32), 128, axis=1)) @ x
+    assert 0.7 < y.std() < 1.4
+
+
+def test_cli_random(tmp_path):
+    out = tmp_path / "r.nanoqwen"
+    assert main(["pack", "--random", "tiny", "--seed", "3", "-o", str(out)]) == 0
+    assert NanoqwenFile(out).synthetic
+
+
+def test_missing_shard(tmp_path):
+    write_hf_dir(tmp_path, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(HFError, match=r"index\.json: 1 shard\(s\) missing, first model-00002-of-00002"):
+        HFCheckpoint(tmp_path)
+
+
+def test_no_weights(tmp_path):
+    write_hf_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(HFError, match="neither model.safetensors nor model.safetensors.index.json"):
+        HFCheckpoint(tmp_path)
+
+
+def test_missing_tensor(tmp_path):
+    from _hf_dirs import random_weights
+    w = random_weights(TINY)
+    del w["model.layers.1.self_attn.q_proj.bias"]
+    write_hf_dir(tmp_path / "hf", weights=w)
+    with pytest.raises(HFError, match=r"tensor model\.layers\.1\.self_attn\.q_proj\.bias is missing"):
+        pack_hf(HFCheckpoint(tmp_path / "hf"), tmp_path / "m.nanoqwen")
+    assert not (tmp_path / "m.nanoqwen").exists()
+
+
+def test_config_disagrees_with_weights(tmp_path):
+    write_hf_dir(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["intermediate_size"] = 512
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFError, match=r"gate_proj\.weight has shape \[384, 256\], config\.json implies \[512, 256\]"):
+        pack_hf(HFCheckpoint(tmp_path / "hf"), tmp_path / "m.nanoqwen")
+
+
+def test_not_qwen2(tmp_path):
+    write_hf_dir(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DimsError, match="not a Qwen2 model"):
+        HFCheckpoint(tmp_path)
+
+
+def test_unquantizable_dims(tmp_path):
+    from _hf_dirs import random_weights
+    from nanoqwen.dims import ModelDims
+    dims = ModelDims(**{**TINY.to_dict(), "intermediate": 200})
+    with pytest.raises(DimsError, match="intermediate=200 is not a multiple of the quant group size"):
+        write_hf_dir(tmp_path, dims=dims, weights=random_weights(dims))
+
+
+def test_truncated_shard(tmp_path):
+    write_hf_dir(tmp_path)
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-10])
+    with pytest.raises(HFError, match=r"model\.safetensors: tensor \S+: data range .*truncated"):
+        HFCheckpoint(tmp_path)
+
+
+def test_out_of_range_fp16_and_nan_rejected(tmp_path):
+    from _hf_dirs import random_weights
+    w = random_weights(TINY)
+    w["model.norm.weight"][3] = 1e6
+    write_hf_dir(tmp_path / "a", weights=w, dtype="fp32")
+    with pytest.raises(QuantError, match=r"model\.norm\.weight.*outside the fp16 range"):
+        pack_hf(HFCheckpoint(tmp_path / "a"), tmp_path / "a.nanoqwen")
+    w = random_weights(TINY)
+    w["model.layers.0.mlp.up_proj.weight"][5, 9] = np.nan
+    write_hf_dir(tmp_path / "b", weights=w, dtype="bf16")
+    with pytest.raises(QuantError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*non-finite"):
+        pack_hf(HFCheckpoint(tmp_path / "b"), tmp_path / "b.nanoqwen")
+    assert not list(tmp_path.glob("*.nanoqwen*")) and not list(tmp_path.glob(".*.tmp"))
