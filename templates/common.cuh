@@ -70,3 +70,12 @@ NQ_DEVICE uint4 ld_stream_u4(const void* p, u64 policy) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
     return v;
 }
+// The same load for weights issued BEFORE pdl_wait(): without .nc. ptxas treats .nc loads as free to
+// move across griddepcontrol.wait and schedules the wait (SASS ACQBULK) first, so ld_stream_u4 loads
+// written before pdl_wait() end up after it; a weak load stays in place (checked in the SASS, NVRTC 12.9).
+NQ_DEVICE uint4 ld_stream_u4_early(const void* p, u64 policy) {
+    uint4 v;
+    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    return v;
+}

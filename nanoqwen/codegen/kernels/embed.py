@@ -1,0 +1,56 @@
+"""Token embedding (templates/embed.cu.j2), the first kernel of a decode step: ``h = f32(embed[state[0]])``
+into the fp32 residual stream, reading the token the previous step's argmax left in device memory.
+
+Kernel parameters, in order (``signature``):
+  state        int32 [4] device decode state; reads state[0] after pdl_wait
+  embed        fp16 [vocab, hidden] embedding table (16-byte aligned)
+  h            fp32 [hidden] output
+  err          uint32 error flags (sticky; the host clears and checks them): ERR_TOKEN_RANGE when
+               state[0] is outside [0, vocab) -- the token is clamped to 0 / vocab-1, never read out of bounds
+  argmax_done  uint32 arrival counter of lm_head_argmax, reset to 0 here each step (see lm_head.py)
+Launch: grid ceil(hidden / 8 / threads), block threads, no dynamic shared memory; PDL-safe (it waits
+before reading state and lets the next kernel launch at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ... import config
+from ...dims import ModelDims
+from ..spec import KernelSpec, Launch, SpecError
+
+ERR_TOKEN_RANGE = 1  # *err bit set by the embed kernel: state[0] was not a valid token id
+
+
+@dataclass(frozen=True)
+class EmbedSpec(KernelSpec):
+    family = "embed"
+    template = "embed.cu.j2"
+    uri_fields = ("vocab", "hidden", "threads")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("state", "ptr"), ("embed", "ptr"), ("h", "ptr"), ("err", "ptr"), ("argmax_done", "ptr"))
+
+    hidden: int            # row length (fp16 elements)
+    vocab: int             # table rows
+    threads: int = 128     # threads per CTA, one 16-byte vector each
+
+    def validate(self) -> None:
+        super().validate()
+        if self.hidden <= 0 or self.hidden % 8:
+            raise SpecError(f"embed.hidden must be a positive multiple of 8 (16-byte rows), got {self.hidden}")
+        if not 0 < self.vocab < 2**31:
+            raise SpecError(f"embed.vocab must be in 1..2^31-1, got {self.vocab}")
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise SpecError(f"embed.threads must be a multiple of 32 in 32..1024, got {self.threads}")
+
+    def context(self) -> dict:
+        return {**super().context(), "err_token_range": ERR_TOKEN_RANGE}
+
+    def launch(self) -> Launch:
+        return Launch(grid=(-(-self.hidden // 8 // self.threads), 1, 1), block=(self.threads, 1, 1))
+
+
+def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+    return [EmbedSpec(hidden=dims.hidden, vocab=dims.vocab, threads=cfg.embed.threads)]

@@ -1,0 +1,107 @@
+"""Final RMSNorm + fp16 lm_head GEMV + fused greedy argmax + decode-state advance
+(templates/lm_head_argmax.cu.j2): the last kernel of a decode step and the largest one (7B: 1.09 GB of
+fp16 weights per token, ~260 us at 4.2 TB/s).
+
+Kernel parameters, in order (``signature``):
+  h            fp32 [hidden] residual stream (read after pdl_wait)
+  norm_w       fp16 [hidden] final norm weight (model.norm.weight)
+  lm_head      fp16 [vocab, hidden] (lm_head.weight, or the embedding table when tied)
+  logits       fp32 [vocab] output, or 0 to skip it (host-side sampling and tests need it)
+  state        int32 [4] device decode state: writes state[0] = next token, tokens_out[state[2]] = it,
+               state[1] += 1, state[2] += 1, once per launch, after every CTA's partial is combined
+  tokens_out   int32 [tokens_cap] finished tokens (the host reads them back)
+  tokens_cap   u32 capacity of tokens_out; a step >= tokens_cap writes nothing there and sets ERR_TOKENS_OUT_FULL
+  partials     u64 [ctas] scratch (partials_bytes): one key per CTA, fully rewritten by every launch
+  argmax_done  u32 scratch counter; must be 0 before the first launch (the embed kernel zeroes it each
+               step; the kernel itself wraps it back to 0), so graph replays need no host reset
+  err          u32 error flags (sticky): ERR_NO_FINITE_LOGIT when every logit is NaN (token 0 is written)
+Launch: grid (ctas,) exactly as ``launch()`` says (the stride and the arrival count are compiled in),
+block warps*32, static shared memory only (hidden*4 bytes of x + a few words).
+
+Ties: the lowest index wins; NaN never wins (unlike np.argmax, which returns the first NaN).
+Sampling (temperature / top-p) is not fused: the runtime passes a logits buffer and samples on the host
+(runtime/sampler.py); greedy stays entirely on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ... import config
+from ...dims import ModelDims
+from ..spec import KernelSpec, Launch, SpecError
+
+ERR_NO_FINITE_LOGIT = 2   # *err bit: every logit was NaN (state[0] = 0)
+ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not written)
+
+_SMEM_STATIC_MAX = 48 * 1024
+
+
+def lane_vecs(hidden: int) -> int:
+    """16-byte vectors of one row each lane loads: ceil(hidden / 8 / 32)."""
+    return -(-(hidden // 8) // 32)
+
+
+@dataclass(frozen=True)
+class LmHeadArgmaxSpec(KernelSpec):
+    family = "lm_head_argmax"
+    template = "lm_head_argmax.cu.j2"
+    uri_fields = ("vocab", "hidden", "warps", "rows_per_warp", "unroll", "ctas")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("h", "ptr"), ("norm_w", "ptr"), ("lm_head", "ptr"), ("logits", "ptr"), ("state", "ptr"),
+        ("tokens_out", "ptr"), ("tokens_cap", "u32"), ("partials", "ptr"), ("argmax_done", "ptr"),
+        ("err", "ptr"))
+
+    hidden: int                 # K: model hidden size
+    vocab: int                  # N: lm_head rows
+    eps: float = 1e-6           # final RMSNorm epsilon (dims.rms_eps)
+    warps: int = 8              # warps per CTA
+    rows_per_warp: int = 1      # rows one warp reduces together
+    unroll: int = 14            # 16-byte loads per lane per row in flight before the first FMA (<= lane_vecs)
+    ctas: int = 264             # persistent grid size
+
+    @property
+    def partials_bytes(self) -> int:
+        """Size of the ``partials`` scratch buffer the runtime allocates."""
+        return 8 * self.ctas
+
+    def validate(self) -> None:
+        super().validate()
+        if self.hidden <= 0 or self.hidden % 8:
+            raise SpecError(f"lm_head_argmax.hidden must be a positive multiple of 8, got {self.hidden}")
+        if not 0 < self.vocab < 2**31:
+            raise SpecError(f"lm_head_argmax.vocab must be in 1..2^31-1, got {self.vocab}")
+        if not self.eps > 0:
+            raise SpecError(f"lm_head_argmax.eps must be positive, got {self.eps}")
+        if not 1 <= self.warps <= 32:
+            raise SpecError(f"lm_head_argmax.warps must be 1..32, got {self.warps}")
+        if not 1 <= self.rows_per_warp <= 32 or self.vocab % self.rows_per_warp:
+            raise SpecError(f"lm_head_argmax.rows_per_warp must be 1..32 and divide vocab={self.vocab}, "
+                            f"got {self.rows_per_warp}")
+        if not 1 <= self.unroll <= lane_vecs(self.hidden):
+            raise SpecError(f"lm_head_argmax.unroll must be 1..{lane_vecs(self.hidden)} (a lane's 16-byte "
+                            f"vectors per row for hidden={self.hidden}), got {self.unroll}")
+        if self.rows_per_warp * self.unroll > 32:
+            raise SpecError(f"lm_head_argmax: rows_per_warp * unroll = {self.rows_per_warp * self.unroll} "
+                            f"loads in flight per lane would need > 128 registers (max 32)")
+        if self.ctas <= 0:
+            raise SpecError(f"lm_head_argmax.ctas must be positive, got {self.ctas}")
+        smem = 4 * self.hidden + 12 * self.warps + 4
+        if smem > _SMEM_STATIC_MAX:
+            raise SpecError(f"lm_head_argmax.hidden={self.hidden}: x needs {smem} bytes of static shared "
+                            f"memory > {_SMEM_STATIC_MAX}")
+
+    def context(self) -> dict:
+        return {**super().context(), "err_no_finite_logit": ERR_NO_FINITE_LOGIT,
+                "err_tokens_out_full": ERR_TOKENS_OUT_FULL}
+
+    def launch(self) -> Launch:
+        return Launch(grid=(self.ctas, 1, 1), block=(32 * self.warps, 1, 1))
+
+
+def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+    lm = cfg.lm_head
+    return [LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
+                             rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
+                             ctas=lm.ctas)]
