@@ -1,0 +1,229 @@
+"""INT4 GEMV family (templates/gemv_int4.cu.j2): y = W x for batch-1 decode, with the epilogues and the
+RMSNorm prologue the decoder layer fuses (DESIGN.md section 5, kernel plan 1, 3, 4, 5).
+
+Kernel parameters, in order (``signature``; the runtime packs launch arguments by it):
+  w0, s0            packed uint32 [N, K/8] and fp16 scales [N, K/group] (gate for SwiGLU)
+  w1, s1            SwiGLU only: the up weights and scales
+  h, norm_w         norm=True: fp32 residual h [K] and fp16 norm weight [K] (x = f16(rmsnorm(h) * w))
+  x                 norm=False: fp16 activations [K]
+  bias              epilogue "bias": fp16 [N]
+  y                 output [N]: fp32 (or fp16 when out_f16); "residual": fp32 h updated in place, h += W x
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ... import config
+from ...dims import ModelDims
+from ..spec import KernelSpec, Launch, SpecError
+
+EPILOGUES = ("plain", "bias", "residual", "swiglu")
+VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
+
+
+class LayoutError(SpecError):
+    pass
+
+
+def check_layout(file_layout_id: int, cfg: config.Config | None = None) -> None:
+    """Refuse weights packed in another layout than the one this GEMV family decodes."""
+    cfg = cfg or config.default()
+    if file_layout_id != cfg.quant.layout_id or cfg.quant.bit_offsets != VALUE_SHUFFLE:
+        raise LayoutError(f"INT4 layout id {file_layout_id} is not supported by the GEMV kernels "
+                          f"(they decode layout {cfg.quant.layout_id} = {cfg.quant.layout_name}, "
+                          f"lane bit offsets {list(VALUE_SHUFFLE)})")
+
+
+@dataclass(frozen=True)
+class GemvInt4Spec(KernelSpec):
+    family = "gemv_int4"
+    template = "gemv_int4.cu.j2"
+    uri_fields = ("epilogue", "n", "k", "norm", "rows", "lanes", "warps", "tiles_per_warp", "splitk")
+
+    n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
+    k: int                         # inputs
+    epilogue: str = "plain"        # plain | bias | residual | swiglu
+    norm: bool = False             # RMSNorm prologue (input fp32 h + fp16 norm weight)
+    out_f16: bool = False          # fp16 saturated output (required for swiglu, refused for residual)
+    eps: float = 1e-6              # RMSNorm epsilon (used only with norm)
+    group: int = 128               # weights per scale along K
+    lane_offsets: tuple[int, ...] = VALUE_SHUFFLE   # from config quant.bit_offsets
+    rows: int = 2                  # rows per lane group (a warp tile is rows * 32 / lanes rows)
+    lanes: int = 32                # lanes sharing one row: 32, 16 or 8 (16 fits K = 3584's 112 chunks)
+    warps: int = 4                 # warps per CTA
+    tiles_per_warp: int = 1        # tiles each warp walks in turn (x staged once per CTA)
+    unroll: int = 0                # chunk iterations per load batch (0 = all of them: one batch per tile)
+    splitk: int = 1                # K splits across blockIdx.y (residual epilogue only)
+
+    # ---- derived -------------------------------------------------------------------------------------
+    @property
+    def mats(self) -> int:
+        return 2 if self.epilogue == "swiglu" else 1
+
+    @property
+    def chunks(self) -> int:
+        """16-byte chunks per row per split."""
+        return self.k // self.splitk // 32
+
+    @property
+    def iters(self) -> int:
+        return -(-self.chunks // self.lanes)
+
+    @property
+    def unroll_eff(self) -> int:
+        return self.unroll or self.iters
+
+    @property
+    def tile_rows(self) -> int:
+        return self.rows * 32 // self.lanes
+
+    @property
+    def tiles(self) -> int:
+        return self.n // self.tile_rows
+
+    @property
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        sig = [("w0", "ptr"), ("s0", "ptr")]
+        if self.epilogue == "swiglu":
+            sig += [("w1", "ptr"), ("s1", "ptr")]
+        sig += [("h", "ptr"), ("norm_w", "ptr")] if self.norm else [("x", "ptr")]
+        if self.epilogue == "bias":
+            sig.append(("bias", "ptr"))
+        sig.append(("y", "ptr"))
+        return tuple(sig)
+
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights + scales one call reads (the bandwidth numerator)."""
+        return self.mats * self.n * (self.k // 2 + 2 * self.k // self.group)
+
+    def validate(self) -> None:
+        super().validate()
+        f = self.family
+        if self.epilogue not in EPILOGUES:
+            raise SpecError(f"{f}.epilogue must be one of {', '.join(EPILOGUES)}, got {self.epilogue!r}")
+        if tuple(self.lane_offsets) != VALUE_SHUFFLE:
+            raise SpecError(f"{f}.lane_offsets {list(self.lane_offsets)} is not ValueShuffle "
+                            f"{list(VALUE_SHUFFLE)}, the only layout the INT4 fast path decodes")
+        if self.group <= 0 or self.group % 32:
+            raise SpecError(f"{f}.group must be a positive multiple of 32, got {self.group}")
+        if self.n <= 0 or self.k <= 0 or self.k % self.group:
+            raise SpecError(f"{f}: k={self.k} must be a positive multiple of group={self.group} (n={self.n})")
+        if self.lanes not in (8, 16, 32) or (32 * self.lanes) % self.group:
+            raise SpecError(f"{f}.lanes must be 8, 16 or 32 with group | 32 * lanes, got {self.lanes}")
+        if self.rows not in (1, 2, 4, 8, 16) or self.mats * self.rows > self.lanes or self.n % self.tile_rows:
+            raise SpecError(f"{f}.rows={self.rows} must be a power of two with mats*rows <= lanes={self.lanes} "
+                            f"and rows*32/lanes dividing n={self.n}")
+        if not 1 <= self.warps <= 32:
+            raise SpecError(f"{f}.warps must be 1..32, got {self.warps}")
+        if self.tiles_per_warp < 1:
+            raise SpecError(f"{f}.tiles_per_warp must be >= 1, got {self.tiles_per_warp}")
+        if self.splitk < 1 or self.k % (32 * self.splitk):
+            raise SpecError(f"{f}.splitk={self.splitk} must split k={self.k} into whole 32-input chunks")
+        if self.splitk > 1 and self.epilogue != "residual":
+            raise SpecError(f"{f}.splitk > 1 needs the residual epilogue (partials meet in fp32 h)")
+        if self.norm and self.splitk != 1:
+            raise SpecError(f"{f}: the RMSNorm prologue needs the whole input (splitk=1)")
+        if self.norm and self.k % 8:
+            raise SpecError(f"{f}: norm needs k % 8 == 0")
+        if self.epilogue == "swiglu" and not self.out_f16:
+            raise SpecError(f"{f}: swiglu output feeds the down GEMV and must be fp16 (out_f16=True)")
+        if self.epilogue == "residual" and self.out_f16:
+            raise SpecError(f"{f}: the residual stream is fp32 (out_f16 must be False)")
+        if self.unroll < 0 or self.iters % self.unroll_eff:
+            raise SpecError(f"{f}.unroll={self.unroll} must divide the {self.iters} chunk iterations per lane")
+        if not 0 < self.eps < 1:
+            raise SpecError(f"{f}.eps must be in (0, 1), got {self.eps}")
+        loads = self.mats * self.rows * self.unroll_eff
+        if loads > 32:
+            raise SpecError(f"{f}: {loads} 16-byte loads in flight per lane (mats*rows*unroll) exceed 32: "
+                            f"the registers would spill")
+        grid_x = -(-self.tiles // (self.warps * self.tiles_per_warp))
+        if grid_x > 2**31 - 1 or self.splitk > 65535:
+            raise SpecError(f"{f}: grid ({grid_x}, {self.splitk}) exceeds the CUDA limits")
+
+    def context(self) -> dict:
+        ctx = super().context()
+        ctx.update(unroll_eff=self.unroll_eff)
+        return ctx
+
+    def launch(self) -> Launch:
+        grid_x = -(-self.tiles // (self.warps * self.tiles_per_warp))
+        return Launch(grid=(grid_x, self.splitk, 1), block=(32 * self.warps, 1, 1))
+
+
+# ---- the kernels a model needs ---------------------------------------------------------------------
+
+ROLES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def role_shape(role: str, dims: ModelDims) -> tuple[int, int]:
+    """(n, k) of a decoder-layer GEMV role."""
+    return {
+        "qkv": (dims.q_dim + 2 * dims.kv_dim, dims.hidden),
+        "o_proj": (dims.hidden, dims.q_dim),
+        "gate_up": (dims.intermediate, dims.hidden),
+        "down": (dims.hidden, dims.intermediate),
+    }[role]
+
+
+_ROLE_VARIANT = {
+    "qkv": dict(epilogue="bias", norm=True),
+    "o_proj": dict(epilogue="residual"),
+    "gate_up": dict(epilogue="swiglu", norm=True, out_f16=True),
+    "down": dict(epilogue="residual"),
+}
+
+
+def _fit(value: int, limit: int) -> int:
+    """Largest power of two <= value that divides `limit` (tiles must divide the shape; small test models)."""
+    p = 1
+    while p * 2 <= value and limit % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **override) -> GemvInt4Spec:
+    """The spec of one decoder-layer GEMV, tile parameters from config gemv_int4.<role>."""
+    cfg = cfg or config.default()
+    n, k = role_shape(role, dims)
+    tile = getattr(cfg.gemv_int4, role)
+    splitk = tile.splitk if _ROLE_VARIANT[role]["epilogue"] == "residual" else 1
+    while splitk > 1 and k % (32 * splitk):
+        splitk -= 1
+    params = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size,
+                  lane_offsets=cfg.quant.bit_offsets, rows=_fit(tile.rows, n * tile.lanes // 32),
+                  lanes=tile.lanes, warps=tile.warps,
+                  tiles_per_warp=tile.tiles_per_warp, unroll=tile.unroll, splitk=splitk,
+                  **_ROLE_VARIANT[role])
+    params.update(override)
+    spec = GemvInt4Spec(**params)
+    if spec.unroll and spec.iters % spec.unroll:
+        spec = GemvInt4Spec(**{**params, "unroll": 0})
+    spec.validate()
+    return spec
+
+
+def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
+    dims.check_quantizable(cfg.quant.group_size)
+    return [role_spec(role, dims, cfg) for role in ROLES]
+
+
+def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
+    """The decoder-layer kernels plus every other epilogue / prologue / output combination on the o_proj
+    shape: what the tests compile and check."""
+    specs = specs_for_model(dims, cfg)
+    n, k = role_shape("o_proj", dims)
+    base = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size, lane_offsets=cfg.quant.bit_offsets)
+    specs += [
+        GemvInt4Spec(**base),                                       # plain fp32
+        GemvInt4Spec(**base, out_f16=True),                         # plain fp16
+        GemvInt4Spec(**base, norm=True),                            # RMSNorm + plain
+        GemvInt4Spec(**base, epilogue="bias"),                      # bias without norm
+        GemvInt4Spec(**base, epilogue="residual", splitk=2),        # split-K residual
+        GemvInt4Spec(**base, epilogue="swiglu", out_f16=True),      # SwiGLU without norm
+    ]
+    for spec in specs:
+        spec.validate()
+    return list(dict.fromkeys(specs))

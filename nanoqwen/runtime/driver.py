@@ -1,0 +1,469 @@
+"""Thin CUDA driver-API layer over cuda.bindings.driver (cuda-bindings 12.x and 13.x).
+
+Everything the runtime does on the GPU goes through here: one `check()` turns each result tuple into a
+value or a CudaError carrying the driver's error name and the context (call, kernel URI, grid).
+The primary context is used (never cuCtxCreate, whose signature differs between 12 and 13), so this
+module and torch/cupy can share a process.
+
+API (stable; other runtime modules build on it):
+  init(ordinal=0) -> Device          device(): the initialised Device (inits on first use)
+  Device.props -> DeviceProps(name, sm_count, l2_bytes, total_mem, free_mem, driver_version,
+                              compute_capability, max_smem_optin)
+  Stream()                          .handle, .synchronize(), .close(); a context manager
+  DeviceBuffer(nbytes)              .ptr, .nbytes, .upload(arr, stream=None), .download(out|dtype+shape),
+                                    .memset_u32(v, stream=None), .poison(stream=None), .free()
+  DeviceBuffer.from_array(arr)      allocate + upload
+  HostBuffer(nbytes)                pinned host memory, .array(dtype, shape) numpy view, .free()
+  memcpy_dtod(dst, src, nbytes, stream=None)
+  Module(cubin bytes)               .function(entry, signature=(), uri="") -> Function
+  Function.launch(launch, stream=None, pdl=False, **args)   typed by the spec's `signature`
+  Event()                           .record(stream=None), .synchronize(), Event.elapsed_ms(a, b)
+  capture(stream) -> Graph          `with capture(s) as g: ...` then g.launch(stream), g.close()
+  load(built) -> Function           codegen Built -> Function, modules cached by cubin bytes
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import NanoqwenError
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError:  # pragma: no cover - the package always depends on cuda-bindings
+    cu = None
+
+
+class CudaError(NanoqwenError):
+    """A CUDA driver call failed; the message names the driver error and what was being done."""
+
+    def __init__(self, message: str, code=None):
+        super().__init__(message)
+        self.code = code
+
+
+def _error_name(err) -> str:
+    try:
+        e, name = cu.cuGetErrorName(err)
+        if e == cu.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - naming the error must never hide it
+        pass
+    return str(err)
+
+
+def check(result, what: str = ""):
+    """(CUresult, *values) -> None, value or tuple of values; raises CudaError otherwise."""
+    if not isinstance(result, tuple):
+        result = (result,)
+    err, *vals = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{_error_name(err)} in {what or 'CUDA driver call'}", err)
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+# ---- device and primary context ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceProps:
+    name: str
+    sm_count: int
+    l2_bytes: int
+    total_mem: int
+    free_mem: int
+    driver_version: int          # e.g. 13000 for CUDA 13.0
+    compute_capability: tuple[int, int]
+    max_smem_optin: int          # dynamic shared memory a block may opt into (bytes)
+
+
+class Device:
+    def __init__(self, ordinal: int):
+        if cu is None:
+            raise CudaError("cuda-bindings is not installed: no CUDA driver access")
+        try:
+            err, = cu.cuInit(0)
+        except Exception as e:  # noqa: BLE001 - cuda-bindings 13 raises when libcuda.so is absent
+            raise CudaError(f"no usable CUDA device: the NVIDIA driver library cannot be loaded ({e})") from None
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"no usable CUDA device: cuInit failed with {_error_name(err)}", err)
+        count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if ordinal >= count:
+            raise CudaError(f"CUDA device {ordinal} requested but {count} device(s) present")
+        self.ordinal = ordinal
+        self.handle = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+
+    def make_current(self) -> None:
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def attribute(self, attr) -> int:
+        return check(cu.cuDeviceGetAttribute(attr, self.handle), f"cuDeviceGetAttribute({attr})")
+
+    @property
+    def props(self) -> DeviceProps:
+        A = cu.CUdevice_attribute
+        name = check(cu.cuDeviceGetName(256, self.handle), "cuDeviceGetName")
+        name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return DeviceProps(
+            name=name,
+            sm_count=self.attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            l2_bytes=self.attribute(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+            total_mem=int(total), free_mem=int(free),
+            driver_version=int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion")),
+            compute_capability=(self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                                self.attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            max_smem_optin=self.attribute(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )
+
+    def synchronize(self) -> None:
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+@functools.cache
+def init(ordinal: int = 0) -> Device:
+    return Device(ordinal)
+
+
+def device() -> Device:
+    """The initialised device 0 (its primary context is made current on first use)."""
+    return init(0)
+
+
+def _stream_handle(stream) -> object:
+    if stream is None:
+        return cu.CUstream(0)
+    return stream.handle if isinstance(stream, Stream) else stream
+
+
+# ---- streams and events ------------------------------------------------------------------------
+
+class Stream:
+    def __init__(self, non_blocking: bool = True):
+        device()
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else cu.CUstream_flags.CU_STREAM_DEFAULT
+        self.handle = check(cu.cuStreamCreate(int(flags)), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+            self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Event:
+    def __init__(self):
+        device()
+        self.handle = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DEFAULT)), "cuEventCreate")
+
+    def record(self, stream=None) -> "Event":
+        check(cu.cuEventRecord(self.handle, _stream_handle(stream)), "cuEventRecord")
+        return self
+
+    def synchronize(self) -> None:
+        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    @staticmethod
+    def elapsed_ms(start: "Event", end: "Event") -> float:
+        end.synchronize()
+        return float(check(cu.cuEventElapsedTime(start.handle, end.handle), "cuEventElapsedTime"))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def _host_ptr(arr: np.ndarray) -> int:
+    if not arr.flags["C_CONTIGUOUS"]:
+        raise CudaError("host array must be C-contiguous for a copy")
+    return arr.ctypes.data
+
+
+class DeviceBuffer:
+    """Plain device allocation (cuMemAlloc). `ptr` is the device address as an int."""
+
+    def __init__(self, nbytes: int):
+        device()
+        if nbytes <= 0:
+            raise CudaError(f"DeviceBuffer: size must be positive, got {nbytes}")
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(cu.cuMemAlloc(self.nbytes), f"cuMemAlloc({self.nbytes} bytes)"))
+
+    @classmethod
+    def from_array(cls, arr: np.ndarray, stream=None) -> "DeviceBuffer":
+        buf = cls(arr.nbytes)
+        buf.upload(arr, stream)
+        return buf
+
+    def _size_check(self, nbytes: int, what: str) -> None:
+        if nbytes > self.nbytes:
+            raise CudaError(f"{what}: {nbytes} bytes do not fit a {self.nbytes}-byte device buffer")
+
+    def upload(self, arr: np.ndarray, stream=None) -> None:
+        """Host -> device. Synchronous unless a stream is given (then `arr` must outlive the copy)."""
+        arr = np.ascontiguousarray(arr)
+        self._size_check(arr.nbytes, "upload")
+        if stream is None:
+            check(cu.cuMemcpyHtoD(self.ptr, _host_ptr(arr), arr.nbytes), "cuMemcpyHtoD")
+        else:
+            check(cu.cuMemcpyHtoDAsync(self.ptr, _host_ptr(arr), arr.nbytes, _stream_handle(stream)),
+                  "cuMemcpyHtoDAsync")
+
+    def download(self, out: np.ndarray | None = None, dtype=None, shape=None, stream=None) -> np.ndarray:
+        """Device -> host into `out` (or a new array of dtype/shape). Synchronous unless a stream is given."""
+        if out is None:
+            out = np.empty(shape if shape is not None else self.nbytes // np.dtype(dtype).itemsize, dtype=dtype)
+        self._size_check(out.nbytes, "download")
+        if stream is None:
+            check(cu.cuMemcpyDtoH(_host_ptr(out), self.ptr, out.nbytes), "cuMemcpyDtoH")
+        else:
+            check(cu.cuMemcpyDtoHAsync(_host_ptr(out), self.ptr, out.nbytes, _stream_handle(stream)),
+                  "cuMemcpyDtoHAsync")
+        return out
+
+    def memset_u32(self, value: int, stream=None) -> None:
+        if self.nbytes % 4:
+            raise CudaError("memset_u32 needs a buffer size that is a multiple of 4")
+        check(cu.cuMemsetD32Async(self.ptr, value & 0xFFFFFFFF, self.nbytes // 4, _stream_handle(stream)),
+              "cuMemsetD32Async")
+        if stream is None:
+            device().synchronize()
+
+    def poison(self, stream=None) -> None:
+        """Fill with 0x7FFF7FFF: a NaN as fp32 and a NaN pair as fp16, so unwritten outputs never pass."""
+        if self.nbytes % 4:
+            check(cu.cuMemsetD8Async(self.ptr, 0xFF, self.nbytes, _stream_handle(stream)), "cuMemsetD8Async")
+            if stream is None:
+                device().synchronize()
+        else:
+            self.memset_u32(0x7FFF7FFF, stream)
+
+    def free(self) -> None:
+        if self.ptr:
+            check(cu.cuMemFree(self.ptr), "cuMemFree")
+            self.ptr = 0
+
+    def __int__(self) -> int:
+        return self.ptr
+
+
+def memcpy_dtod(dst, src, nbytes: int, stream=None) -> None:
+    check(cu.cuMemcpyDtoDAsync(int(dst), int(src), int(nbytes), _stream_handle(stream)), "cuMemcpyDtoDAsync")
+
+
+class HostBuffer:
+    """Pinned (page-locked) host memory: async copies and device-written tokens read back without a stage."""
+
+    def __init__(self, nbytes: int):
+        device()
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(cu.cuMemAllocHost(self.nbytes), f"cuMemAllocHost({self.nbytes} bytes)"))
+
+    def array(self, dtype, shape=None) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = self.nbytes // dtype.itemsize
+        raw = (ctypes.c_byte * (count * dtype.itemsize)).from_address(self.ptr)
+        arr = np.frombuffer(raw, dtype=dtype, count=count)
+        return arr.reshape(shape) if shape is not None else arr
+
+    def free(self) -> None:
+        if self.ptr:
+            check(cu.cuMemFreeHost(self.ptr), "cuMemFreeHost")
+            self.ptr = 0
+
+
+# ---- modules, functions, typed launches --------------------------------------------------------
+
+# kernel parameter kind -> (numpy dtype of its slot, python check)
+_KINDS = {
+    "ptr": np.uint64, "u64": np.uint64, "i32": np.int32, "u32": np.uint32, "f32": np.float32,
+}
+_RANGES = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
+
+
+def _pack_value(kind: str, name: str, value, where: str):
+    if kind == "ptr":
+        if isinstance(value, DeviceBuffer):
+            value = value.ptr
+        elif hasattr(value, "getPtr") and not isinstance(value, int):   # a CUdeviceptr
+            value = int(value)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise CudaError(f"{where}: argument '{name}' must be a device pointer (DeviceBuffer or int), "
+                            f"got {type(value).__name__}")
+    elif kind == "f32":
+        if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+            raise CudaError(f"{where}: argument '{name}' must be a number, got {type(value).__name__}")
+        return float(value)
+    elif kind in _RANGES:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise CudaError(f"{where}: argument '{name}' must be an integer, got {type(value).__name__}")
+    else:
+        raise CudaError(f"{where}: unknown parameter kind '{kind}' for '{name}'")
+    lo, hi = _RANGES[kind]
+    if not lo <= int(value) <= hi:
+        raise CudaError(f"{where}: argument '{name}'={value} out of range for {kind}")
+    return int(value)
+
+
+def _dims3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(d)
+    return tuple(int(v) for v in d) + (1,) * (3 - len(d))
+
+
+class Function:
+    def __init__(self, handle, entry: str, signature=(), uri: str = "", module=None):
+        self.handle = handle
+        self.entry = entry
+        self.signature = tuple(tuple(p) for p in signature)
+        self.uri = uri or entry
+        self._module = module      # keeps the module alive as long as the function
+        self._smem_limit = 48 * 1024
+        for name, kind in self.signature:
+            if kind not in _KINDS:
+                raise CudaError(f"{self.uri}: parameter '{name}' has unknown kind '{kind}'")
+
+    def attribute(self, attr) -> int:
+        return check(cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({attr}) on {self.uri}")
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        A = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu.cuFuncSetAttribute(self.handle, A, int(nbytes)),
+              f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) on {self.uri}")
+        self._smem_limit = int(nbytes)
+
+    def _params(self, args: dict):
+        names = [n for n, _ in self.signature]
+        missing = [n for n in names if n not in args]
+        extra = [n for n in args if n not in names]
+        if missing or extra:
+            raise CudaError(f"{self.uri}: launch arguments do not match the signature {names}: "
+                            f"missing {missing}, unexpected {extra}")
+        # One 8-byte slot per parameter (every kind fits) and an array of pointers to the slots:
+        # the void** that cuLaunchKernelEx wants. The driver copies the values at launch (and at capture).
+        slots = np.zeros(max(1, len(names)), dtype=np.uint64)
+        for i, (name, kind) in enumerate(self.signature):
+            v = _pack_value(kind, name, args[name], self.uri)
+            slots[i:i + 1].view(np.uint8)[:np.dtype(_KINDS[kind]).itemsize] = \
+                np.array([v], dtype=_KINDS[kind]).view(np.uint8)
+        ptrs = np.array([slots.ctypes.data + 8 * i for i in range(len(names))] or [0], dtype=np.uint64)
+        return slots, ptrs
+
+    def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
+        grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
+        where = f"cuLaunchKernelEx({self.uri}, grid={grid}, block={block}, smem={smem}, pdl={pdl})"
+        if smem > self._smem_limit:
+            self.set_max_dynamic_smem(smem)
+        slots, ptrs = self._params(args)
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = smem
+        config.hStream = _stream_handle(stream)
+        if pdl:
+            # Programmatic Dependent Launch: this kernel may start while the previous one in the stream
+            # finishes; it must griddepcontrol.wait before reading what that kernel wrote.
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+        else:
+            config.numAttrs = 0
+        check(cu.cuLaunchKernelEx(config, self.handle, int(ptrs.ctypes.data) if len(self.signature) else 0, 0),
+              where)
+        del slots, ptrs
+
+
+class Module:
+    def __init__(self, image: bytes, uri: str = ""):
+        device()
+        self.uri = uri
+        self._image = np.frombuffer(bytes(image), dtype=np.uint8)   # owned, stable address
+        self.handle = check(cu.cuModuleLoadData(self._image.ctypes.data), f"cuModuleLoadData({uri or 'cubin'})")
+
+    def function(self, entry: str, signature=(), uri: str = "") -> Function:
+        h = check(cu.cuModuleGetFunction(self.handle, entry.encode()),
+                  f"cuModuleGetFunction({entry}) in {uri or self.uri}")
+        return Function(h, entry, signature, uri or self.uri, module=self)
+
+
+_MODULES: dict[str, Module] = {}
+
+
+def load(built, signature=None) -> Function:
+    """codegen Built -> Function. The signature comes from the built spec (`spec.signature`) unless
+    given; modules are cached by the cubin's hash so repeated loads are free."""
+    spec = getattr(built, "spec", None)
+    if signature is None:
+        signature = getattr(built, "signature", None) or getattr(spec, "signature", ())
+    uri = getattr(spec, "uri", None) or getattr(built, "uri", None) or built.entry
+    key = hashlib.sha256(bytes(built.cubin)).hexdigest()
+    mod = _MODULES.get(key)
+    if mod is None:
+        mod = _MODULES[key] = Module(built.cubin, uri)
+    return mod.function(built.entry, signature, uri)
+
+
+# ---- graphs ------------------------------------------------------------------------------------
+
+class Graph:
+    def __init__(self):
+        self.graph = None
+        self.exec = None
+
+    def launch(self, stream=None) -> None:
+        check(cu.cuGraphLaunch(self.exec, _stream_handle(stream)), "cuGraphLaunch")
+
+    def close(self) -> None:
+        if self.exec is not None:
+            check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            self.exec = None
+        if self.graph is not None:
+            check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+            self.graph = None
+
+
+def _instantiate(graph):
+    # cuda-bindings 12 and 13 both expose cuGraphInstantiate(hGraph, flags) (the WithFlags form);
+    # older 11.x-style (graph, errorNode, log, size) is tried for robustness.
+    try:
+        return check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    except TypeError:
+        return check(cu.cuGraphInstantiateWithFlags(graph, 0), "cuGraphInstantiateWithFlags")
+
+
+@contextmanager
+def capture(stream: Stream):
+    """Capture everything launched on `stream` inside the block into an instantiated Graph."""
+    g = Graph()
+    mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    check(cu.cuStreamBeginCapture(stream.handle, mode), "cuStreamBeginCapture")
+    try:
+        yield g
+    except BaseException:
+        err, graph = cu.cuStreamEndCapture(stream.handle)
+        if err == cu.CUresult.CUDA_SUCCESS and graph is not None:
+            cu.cuGraphDestroy(graph)
+        raise
+    g.graph = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+    g.exec = _instantiate(g.graph)

@@ -1,0 +1,150 @@
+"""INT4 GEMV kernels on the GPU against numpy, for every variant and every 7B / tiny-model shape.
+
+Fresh random data each run (random int4 in [-7, 7], random positive fp16 scales, random x; never zeros).
+The reference is the exact dequantized weight (quant.dequantize: q * f32(scale)) times the fp16
+activations, summed in float64 (numerics contract); RMSNorm inputs go through reference.rmsnorm_f16 and
+the SwiGLU output is compared after the contract's f16 cast. Outputs are poisoned (NaN) before each
+launch (the residual epilogue's output is its random fp32 input h, updated in place), every element is checked finite, and ||out - ref|| / ||ref|| must be <= validation.gemv_rel_tol
+(the kernels accumulate up to 32 fp16 products per half2 chain before the fp32 fold).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen import codegen, config, quant
+from nanoqwen import reference as R
+from nanoqwen.codegen.kernels import gemv
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.runtime import driver
+from nanoqwen.testmodels import tiny_dims
+
+pytestmark = pytest.mark.gpu
+
+CFG = config.default()
+TOL = CFG.validation.gemv_rel_tol
+MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
+CASES = [(m, s) for m, d in MODELS.items() for s in gemv.variants(d, CFG)]
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def random_int4(rng, n: int, k: int):
+    """(packed uint32 [n, k/8], scales fp16 [n, k/group], exact f32 weights)."""
+    q = rng.integers(-7, 8, size=(n, k), dtype=np.int8)
+    scales = rng.uniform(0.002, 0.02, size=(n, k // CFG.quant.group_size)).astype(np.float16)
+    packed = quant.pack(q)
+    return packed, scales, quant.dequantize(packed, scales)
+
+
+@pytest.fixture(scope="module")
+def fns():
+    specs = list(dict.fromkeys(s for _, s in CASES))
+    return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("model,spec", CASES, ids=[f"{m}-{s.uri}" for m, s in CASES])
+def test_gemv_matches_reference(fns, model, spec, pdl):
+    rng = np.random.default_rng()
+    n, k = spec.n, spec.k
+    fn = fns[spec]
+    keep = []
+
+    def dev(a):
+        b = driver.DeviceBuffer.from_array(np.ascontiguousarray(a))
+        keep.append(b)
+        return b
+
+    args, mats = {}, []
+    for m in range(spec.mats):
+        packed, scales, w = random_int4(rng, n, k)
+        args[f"w{m}"], args[f"s{m}"] = dev(packed), dev(scales)
+        mats.append(w.astype(np.float64))
+    if spec.norm:
+        h = (rng.standard_normal(k) * 3).astype(np.float32)
+        norm_w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
+        args["h"], args["norm_w"] = dev(h), dev(norm_w)
+        x = R.rmsnorm_f16(h, norm_w, spec.eps)
+    else:
+        x = rng.standard_normal(k).astype(np.float16)
+        args["x"] = dev(x)
+    x64 = x.astype(np.float64)
+    ys = [w @ x64 for w in mats]
+
+    out_dtype = np.float16 if spec.out_f16 else np.float32
+    y = driver.DeviceBuffer(n * np.dtype(out_dtype).itemsize)
+    keep.append(y)
+    if spec.epilogue == "residual":
+        h0 = rng.standard_normal(n).astype(np.float32)
+        y.upload(h0)
+        ref = h0.astype(np.float64) + ys[0]
+    else:
+        y.poison()
+        if spec.epilogue == "bias":
+            bias = rng.standard_normal(n).astype(np.float16)
+            args["bias"] = dev(bias)
+            ref = ys[0] + bias.astype(np.float64)
+        elif spec.epilogue == "swiglu":
+            ref = R.swiglu_f16(ys[0], ys[1]).astype(np.float64)
+        else:
+            ref = ys[0]
+    if spec.out_f16:
+        ref = R.f16(ref).astype(np.float64)
+    args["y"] = y
+
+    fn.launch(spec.launch(), pdl=pdl, **args)
+    driver.device().synchronize()
+    out = y.download(dtype=out_dtype, shape=(n,))
+    bad = np.flatnonzero(~np.isfinite(out))
+    assert bad.size == 0, f"{spec.uri}: {bad.size} non-finite outputs (first at {bad[:8]}): unwritten or overflow"
+    err = rel_err(out, ref)
+    print(f"{spec.uri} pdl={pdl}: rel err {err:.2e} (tol {TOL:.0e})")
+    assert err <= TOL, f"{spec.uri}: ||out - ref|| / ||ref|| = {err:.3e} > {TOL}"
+    for b in keep:
+        b.free()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_pdl_chain_in_graph_sees_previous_output(model):
+    """o_proj (h += W_o x) then the QKV kernel (RMSNorm prologue reads that h) as two PDL launches in one
+    CUDA graph, the way decode runs them: the second kernel issues its weight loads before
+    griddepcontrol.wait, so it must still see the h the first one wrote (reference built from the h the
+    GPU produced, so a stale read would show as a large error)."""
+    dims = MODELS[model]
+    rng = np.random.default_rng()
+    o_spec, qkv_spec = gemv.role_spec("o_proj", dims, CFG), gemv.role_spec("qkv", dims, CFG)
+    o_fn, qkv_fn = (driver.load(b) for b in codegen.build_many([o_spec, qkv_spec]))
+    wo, so, wo_f = random_int4(rng, o_spec.n, o_spec.k)
+    wq, sq, wq_f = random_int4(rng, qkv_spec.n, qkv_spec.k)
+    x = rng.standard_normal(o_spec.k).astype(np.float16)
+    h0 = (rng.standard_normal(dims.hidden) * 3).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, size=dims.hidden).astype(np.float16)
+    bias = rng.standard_normal(qkv_spec.n).astype(np.float16)
+    bufs = {k: driver.DeviceBuffer.from_array(v) for k, v in
+            dict(wo=wo, so=so, wq=wq, sq=sq, x=x, h=h0, norm_w=norm_w, bias=bias).items()}
+    y = driver.DeviceBuffer(4 * qkv_spec.n)
+    y.poison()
+    s = driver.Stream()
+    with driver.capture(s) as g:
+        o_fn.launch(o_spec.launch(), s, True, w0=bufs["wo"], s0=bufs["so"], x=bufs["x"], y=bufs["h"])
+        qkv_fn.launch(qkv_spec.launch(), s, True, w0=bufs["wq"], s0=bufs["sq"], h=bufs["h"],
+                      norm_w=bufs["norm_w"], bias=bufs["bias"], y=y)
+    g.launch(s)
+    s.synchronize()
+    h1 = bufs["h"].download(dtype=np.float32, shape=h0.shape)
+    out = y.download(dtype=np.float32, shape=(qkv_spec.n,))
+    err_h = rel_err(h1, h0.astype(np.float64) + wo_f.astype(np.float64) @ x.astype(np.float64))
+    xn = R.rmsnorm_f16(h1, norm_w, qkv_spec.eps).astype(np.float64)
+    err_y = rel_err(out, wq_f.astype(np.float64) @ xn + bias.astype(np.float64))
+    print(f"{model}: chain rel err h {err_h:.2e}, qkv {err_y:.2e} (tol {TOL:.0e})")
+    assert np.isfinite(out).all()
+    assert err_h <= TOL and err_y <= TOL
+    g.close()
+    for b in [*bufs.values(), y]:
+        b.free()
+    s.close()
