@@ -1,0 +1,153 @@
+"""Prefill kernel benchmark: each 7B prefill GEMM (INT4 tensor-core, nanoqwen/codegen/kernels/gemm.py) at
+M = 512 and 4096 against the dense fp16 rate of the same device measured in the same run (torch.matmul
+fp16 of the same [M, K] x [K, N] shape, cuBLAS; skipped when torch is absent), each shape also with the
+tile VARIANTS below (tuning data: the spec fields to pick per shape), plus the causal prefill attention
+and the projected prefill time of the 28 layers (default tiles).
+
+Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 512 4096] [--json FILE]``.
+Timing: events around one launch, after warm-up; median of ``REPS``. Weights are reused across calls
+(8-76 MB, partly L2-resident): prefill GEMMs are compute-bound at these M, so L2 hardly matters; the
+same holds for the fp16 baseline, which reads 4x the bytes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+import numpy as np
+
+from .. import codegen, config, quant
+from ..codegen.kernels import attention_prefill as AP
+from ..codegen.kernels import gemm as G
+from ..dims import QWEN25_7B
+from ..runtime import driver
+
+REPS = 20
+WARMUP = 3
+# Tile variants timed beside each shape's default (tuning data; the first is the spec default).
+VARIANTS = ({}, dict(bm=64, min_blocks=2), dict(bk=128, stages=3), dict(bm=64, bn=64, warps_n=2, min_blocks=3),
+            dict(stages=3), dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
+            dict(split_k=2), dict(split_k=4))   # split_k: residual GEMMs only
+
+
+def _time(call, stream) -> float:
+    """Median seconds of ``call(stream)`` over REPS, after WARMUP calls."""
+    for _ in range(WARMUP):
+        call(stream)
+    ts = []
+    for _ in range(REPS):
+        a, b = driver.Event().record(stream), driver.Event()
+        call(stream)
+        b.record(stream)
+        ts.append(driver.Event.elapsed_ms(a, b) * 1e-3)
+    return statistics.median(ts)
+
+
+def _torch_fp16_s(m: int, n: int, k: int) -> float | None:
+    """Median seconds of torch.matmul fp16 [m, k] x [k, n] (cuBLAS), or None without torch / CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    for _ in range(WARMUP):
+        torch.matmul(x, w.t())
+    ts = []
+    for _ in range(REPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.matmul(x, w.t())
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    del x, w
+    torch.cuda.empty_cache()
+    return statistics.median(ts)
+
+
+def bench_gemm(spec: G.GemmInt4Spec, m: int, stream, rng, with_fp16: bool = True) -> dict:
+    rows = spec.n // 2 if spec.epilogue == "swiglu" else spec.n
+    q = rng.integers(-7, 8, size=(rows, spec.k), dtype=np.int8)
+    packed, scales = quant.pack(q), rng.uniform(0.002, 0.02, size=(rows, spec.k // spec.group)).astype(np.float16)
+    out_cols = spec.n // 2 if spec.epilogue == "swiglu" else spec.n
+    bufs = {"x": driver.DeviceBuffer.from_array(rng.standard_normal((m, spec.k)).astype(np.float16)),
+            "w": driver.DeviceBuffer.from_array(packed), "s": driver.DeviceBuffer.from_array(scales),
+            "bias": driver.DeviceBuffer.from_array(rng.standard_normal(spec.n).astype(np.float16)),
+            "y": driver.DeviceBuffer.from_array(np.zeros((m, out_cols), np.float32))}
+    bufs["w2"], bufs["s2"] = bufs["w"], bufs["s"]
+    fn, launch = driver.load(codegen.build(spec)), spec.launch(m)
+    try:
+        t = _time(lambda st: fn.launch(launch, st, False, m=m, **bufs), stream)
+    finally:
+        for b in {id(b): b for b in bufs.values()}.values():
+            b.free()
+    ref = _torch_fp16_s(m, spec.n, spec.k) if with_fp16 else None
+    flops = spec.flops(m)
+    return {"uri": spec.uri, "m": m, "n": spec.n, "k": spec.k, "s": t, "TFLOPs": flops / t / 1e12,
+            "fp16_s": ref, "fp16_TFLOPs": flops / ref / 1e12 if ref else None,
+            "vs_fp16": ref / t if ref else None}
+
+
+def bench_attention(n: int, stream, rng) -> dict:
+    d = QWEN25_7B
+    _, spec = AP.prefill_attention_specs(d, config.default())
+    P = spec.page_size
+    pages = -(-n // P)
+    table = rng.permutation(pages).astype(np.int32)
+    pool = rng.standard_normal((pages, d.kv_heads, P, d.head_dim)).astype(np.float16)
+    bufs = {"q_rot": driver.DeviceBuffer.from_array(rng.standard_normal((n, d.q_dim)).astype(np.float32)),
+            "k_pool": driver.DeviceBuffer.from_array(pool), "v_pool": driver.DeviceBuffer.from_array(pool),
+            "page_table": driver.DeviceBuffer.from_array(table), "o16": driver.DeviceBuffer(n * d.q_dim * 2)}
+    fn, launch = driver.load(codegen.build(spec)), spec.launch(n)
+    try:
+        t = _time(lambda st: fn.launch(launch, st, False, p0=0, n=n, **bufs), stream)
+    finally:
+        for b in bufs.values():
+            b.free()
+    return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
+
+
+def run(ms=(512, 4096)) -> dict:
+    stream, rng = driver.Stream(), np.random.default_rng(0)
+    gemms = G.model_gemms(QWEN25_7B, config.default().quant.group_size)
+    out = {"gemm": [], "attention": []}
+    for m in ms:
+        for role, default in gemms.items():
+            for kw in VARIANTS:
+                if "split_k" in kw and default.epilogue != "residual":
+                    continue
+                spec = replace(default, **kw)
+                r = bench_gemm(spec, m, stream, rng, with_fp16=not kw) | {"role": role, "variant": kw}
+                out["gemm"].append(r)
+                base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
+                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({base})", flush=True)
+        a = bench_attention(m, stream, rng)
+        out["attention"].append(a)
+        print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
+        layer = sum(r["s"] for r in out["gemm"] if r["m"] == m and not r["variant"]) + a["s"]
+        print(f"projected prefill of {m} tokens, {QWEN25_7B.layers} layers (GEMMs + attention, no norms/rope): "
+              f"{layer * QWEN25_7B.layers * 1e3:.2f} ms", flush=True)
+        out[f"projected_pp{m}_ms"] = layer * QWEN25_7B.layers * 1e3
+    stream.close()
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.prefill", description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[512, 4096], help="prefill rows (tokens)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    res = run(tuple(args.m))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

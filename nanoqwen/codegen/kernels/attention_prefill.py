@@ -1,0 +1,117 @@
+"""Prefill attention over the paged KV cache, as two kernels per layer and chunk of n tokens at positions
+[p0, p0 + n) (chunked prefill: memory stays bounded by the chunk, earlier chunks are read from the pages):
+
+1. ``rope_append_prefill``: RoPE on q, k of every token of the chunk (fp32, shared cos/sin tables
+   [positions, head_dim/2]), q_rot fp32 [n, heads*head_dim] out, f16(k_rot), f16(v) into the pages.
+   Parameters: qkv f32 [n, (heads + 2*kv_heads)*head_dim] (the QKV GEMM's output), rope_cos, rope_sin,
+   page_table int32, q_rot, k_pool, v_pool, p0, n. Grid ``launch(n)``: (n, heads + kv_heads).
+2. ``attention_prefill``: causal flash attention (mma.sync, fp32 online softmax, q and p split into fp16
+   hi + lo) of the chunk against keys [0, p0 + n), o16 f16 [n, heads*head_dim] out (the o_proj GEMM's X).
+   Parameters: q_rot, k_pool, v_pool, page_table, o16, p0, n. Grid ``launch(n)``: (ceil(n / (16*warps)),
+   heads), dynamic shared memory 2 slots x (K + V) tiles of bkv keys + the q hi / lo tiles.
+
+Pools are [num_pages, kv_heads, page_size, head_dim] fp16; the page table maps logical page -> physical page
+and must cover positions [0, p0 + n)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...config import Config
+from ...dims import ModelDims
+from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+
+
+def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
+    if head_dim % 64 or not 64 <= head_dim <= 256:
+        raise SpecError(f"{family}.head_dim must be 64, 128, 192 or 256, got {head_dim}")
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise SpecError(f"{family}: heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    if page_size <= 0:
+        raise SpecError(f"{family}.page_size must be positive, got {page_size}")
+
+
+@dataclass(frozen=True)
+class RopeAppendPrefillSpec(KernelSpec):
+    family = "rope_append_prefill"
+    template = "rope_append_prefill.cu.j2"
+    uri_fields = ("head_dim", "heads", "kv_heads")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"), ("q_rot", "ptr"),
+        ("k_pool", "ptr"), ("v_pool", "ptr"), ("p0", "i32"), ("n", "i32"))
+
+    head_dim: int
+    heads: int
+    kv_heads: int
+    page_size: int = 16
+    max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+
+    def validate(self) -> None:
+        super().validate()
+        _check_heads(self.family, self.head_dim, self.heads, self.kv_heads, self.page_size)
+        if self.max_n <= 0:
+            raise SpecError(f"{self.family}.max_n must be positive, got {self.max_n}")
+
+    def launch(self, n: int | None = None) -> Launch:
+        return Launch(grid=(self.max_n if n is None else n, self.heads + self.kv_heads, 1),
+                      block=(self.head_dim // 2, 1, 1))
+
+
+@dataclass(frozen=True)
+class AttentionPrefillSpec(KernelSpec):
+    family = "attention_prefill"
+    template = "attention_prefill.cu.j2"
+    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"), ("o16", "ptr"),
+        ("p0", "i32"), ("n", "i32"))
+
+    head_dim: int
+    heads: int
+    kv_heads: int
+    page_size: int = 16
+    warps: int = 4           # warps per CTA, 16 query tokens each
+    bkv: int = 64            # keys per KV tile (whole pages)
+    split: bool = True       # q and p as fp16 hi + lo (two mma's each): fp32-like Q.K and P.V
+    max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+
+    def validate(self) -> None:
+        super().validate()
+        f = self.family
+        _check_heads(f, self.head_dim, self.heads, self.kv_heads, self.page_size)
+        if self.bkv % 16 or self.bkv % self.page_size or not 16 <= self.bkv <= 256:
+            raise SpecError(f"{f}.bkv must be a multiple of 16 and of page_size ({self.page_size}) in 16..256, "
+                            f"got {self.bkv}")
+        if not 1 <= self.warps <= 8 or (self.bkv * self.head_dim // 8) % (32 * self.warps):
+            raise SpecError(f"{f}.warps must be 1..8 and split the bkv x head_dim tile copies evenly, "
+                            f"got {self.warps}")
+        if self.smem_bytes > MAX_SMEM:
+            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > {MAX_SMEM} (lower bkv)")
+        if self.max_n <= 0:
+            raise SpecError(f"{f}.max_n must be positive, got {self.max_n}")
+
+    @property
+    def smem_bytes(self) -> int:
+        kv = 2 * 2 * self.bkv * self.head_dim * 2       # 2 slots x (K + V) x bkv keys x head_dim fp16
+        q = (2 if self.split else 1) * 16 * self.warps * self.head_dim * 2   # q hi (+ lo) tiles
+        return kv + q
+
+    def launch(self, n: int | None = None) -> Launch:
+        n = self.max_n if n is None else n
+        bq = 16 * self.warps
+        return Launch(grid=(-(-n // bq), self.heads, 1), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
+
+    def flops(self, p0: int, n: int) -> int:
+        """Useful (causal) flops: 4 * head_dim per (query, visible key) pair per head."""
+        pairs = n * p0 + n * (n + 1) // 2
+        return 4 * self.head_dim * self.heads * pairs
+
+
+def prefill_attention_specs(dims: ModelDims, cfg: Config) -> tuple[RopeAppendPrefillSpec, AttentionPrefillSpec]:
+    kw = dict(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=cfg.kv_cache.page_size)
+    return RopeAppendPrefillSpec(**kw), AttentionPrefillSpec(**kw)
+
+
+def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
+    return list(prefill_attention_specs(dims, cfg))

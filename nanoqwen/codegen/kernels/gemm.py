@@ -1,0 +1,157 @@
+"""Prefill INT4 GEMM (tensor cores): Y[M, N] = X[M, K] . W^T with W in the .nanoqwen INT4 layout,
+dequantized to fp16 in the mainloop and fed to mma.sync m16n8k16 (fp32 accumulation). M is a run-time
+argument (1..4096, tails masked); N and K are baked in. Epilogues match the decode GEMVs:
+
+- ``f32``      y f32 [M, N] = acc (+ f32(bias)): fused QKV (bias on).
+- ``residual`` y f32 [M, N] += acc: o_proj and down_proj into the fp32 residual stream.
+- ``swiglu``   y f16 [M, N/2] = f16(silu(gate) * up): ``w``/``s`` are gate, ``w2``/``s2`` up (each
+               [N/2, K]; the runtime's ``gate_up`` region holds gate rows then up rows, so w2 = w + N/2 rows).
+- ``f16``      y f16 [M, N] = f16(acc (+ f32(bias))).
+
+The RMSNorm in front of QKV and gate/up is a separate small kernel for prefill (rmsnorm_prefill family):
+with M rows the norm costs one read of X, far below the GEMM's time, and keeping it out of the mainloop
+lets X be streamed by cp.async straight from global memory.
+
+``split_k`` > 1 (residual only) spreads K over grid z with atomic fp32 adds into y: o_proj and down have
+only N/bn x M/bm CTAs (112 at M=512 on 132 SMs).
+
+Kernel parameters, in order (``signature``; unused pointers may be 0):
+``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
+``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
+``stages * (bm*bk*2 + bn*bk/2)`` bytes (> 48 KB: the driver raises the function's limit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...config import Config
+from ...dims import ModelDims
+from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+
+EPILOGUES = ("f32", "residual", "swiglu", "f16")
+
+
+@dataclass(frozen=True)
+class GemmInt4Spec(KernelSpec):
+    family = "gemm_int4"
+    template = "gemm_int4.cu.j2"
+    uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("x", "ptr"), ("w", "ptr"), ("s", "ptr"), ("w2", "ptr"), ("s2", "ptr"), ("bias", "ptr"),
+        ("y", "ptr"), ("m", "i32"))
+
+    n: int                   # GEMM columns (weight rows; 2 x intermediate for swiglu)
+    k: int                   # reduction length (weight row length)
+    epilogue: str = "f32"    # one of EPILOGUES
+    bias: bool = False       # add f32(bias) (f32 / f16 epilogues)
+    group: int = 128         # inputs per fp16 scale
+    bm: int = 128            # rows of X per CTA
+    bn: int = 128            # columns of Y per CTA
+    bk: int = 64             # reduction step per pipeline stage (64 or 128)
+    warps_m: int = 2         # warps along M
+    warps_n: int = 4         # warps along N
+    stages: int = 4          # cp.async ring depth
+    min_blocks: int = 1      # CTAs per SM the registers must allow (__launch_bounds__; 2 caps at 128)
+    split_k: int = 1         # CTAs along K, partials added atomically (residual epilogue only)
+    max_m: int = 4096        # rows the default grid covers (launch(m) sizes it for a call)
+
+    def validate(self) -> None:
+        super().validate()
+        f = self.family
+        if self.epilogue not in EPILOGUES:
+            raise SpecError(f"{f}.epilogue must be one of {', '.join(EPILOGUES)}, got {self.epilogue!r}")
+        if self.bias and self.epilogue not in ("f32", "f16"):
+            raise SpecError(f"{f}.bias is only supported with the f32 and f16 epilogues")
+        if self.bk not in (64, 128):
+            raise SpecError(f"{f}.bk must be 64 or 128, got {self.bk}")
+        if self.group % self.bk:
+            raise SpecError(f"{f}.group ({self.group}) must be a multiple of bk ({self.bk})")
+        if self.n <= 0 or self.n % self.bn:
+            raise SpecError(f"{f}.n ({self.n}) must be a positive multiple of bn ({self.bn})")
+        if self.k <= 0 or self.k % self.group:
+            raise SpecError(f"{f}.k ({self.k}) must be a positive multiple of group ({self.group})")
+        if self.bm % (16 * self.warps_m) or self.bn % (8 * self.warps_n):
+            raise SpecError(f"{f}: bm must split into warps_m x 16 rows and bn into warps_n x 8 columns "
+                            f"(bm={self.bm}, warps_m={self.warps_m}, bn={self.bn}, warps_n={self.warps_n})")
+        threads = 32 * self.warps_m * self.warps_n
+        if threads > 1024 or (self.bm * self.bk // 8) % threads or (self.bn * self.bk // 32) % threads:
+            raise SpecError(f"{f}: {threads} threads must split the bm x bk and bn x bk tile copies evenly")
+        if not 2 <= self.stages <= 8:
+            raise SpecError(f"{f}.stages must be 2..8, got {self.stages}")
+        if self.smem_bytes > MAX_SMEM:
+            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > {MAX_SMEM} "
+                            f"(lower stages, bm, bn or bk)")
+        if self.split_k < 1 or self.k % (self.bk * self.split_k):
+            raise SpecError(f"{f}.split_k ({self.split_k}) must be >= 1 and split k ({self.k}) into whole "
+                            f"bk ({self.bk}) tiles")
+        if self.split_k > 1 and self.epilogue != "residual":
+            raise SpecError(f"{f}.split_k > 1 needs the residual epilogue (partials are added atomically)")
+        if not 1 <= self.min_blocks <= 4:
+            raise SpecError(f"{f}.min_blocks must be 1..4, got {self.min_blocks}")
+        if self.max_m <= 0:
+            raise SpecError(f"{f}.max_m must be positive, got {self.max_m}")
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2)
+
+    def context(self) -> dict:
+        return super().context() | {"epilogue_id": EPILOGUES.index(self.epilogue)}
+
+    def launch(self, m: int | None = None) -> Launch:
+        m = self.max_m if m is None else m
+        if m <= 0:
+            raise SpecError(f"{self.family}: m must be positive, got {m}")
+        return Launch(grid=(self.n // self.bn, -(-m // self.bm), self.split_k),
+                      block=(32 * self.warps_m * self.warps_n, 1, 1), smem=self.smem_bytes)
+
+    def flops(self, m: int) -> int:
+        return 2 * m * self.n * self.k
+
+
+def model_gemms(dims: ModelDims, group: int = 128) -> dict[str, GemmInt4Spec]:
+    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM)."""
+    h, qkv = dims.hidden, dims.q_dim + 2 * dims.kv_dim
+    return {
+        "qkv": GemmInt4Spec(n=qkv, k=h, epilogue="f32", bias=True, group=group),
+        "o_proj": GemmInt4Spec(n=h, k=dims.q_dim, epilogue="residual", group=group),
+        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", group=group),
+        "down": GemmInt4Spec(n=h, k=dims.intermediate, epilogue="residual", group=group),
+    }
+
+
+@dataclass(frozen=True)
+class RmsnormPrefillSpec(KernelSpec):
+    """xn f16 [M, hidden] = f16(rmsnorm(h) * w) for the M rows of a prefill chunk (the GEMMs' X).
+    Parameters: h f32 [M, hidden], w f16 [hidden], xn, m. Grid ``launch(m)``: (m,)."""
+    family = "rmsnorm_prefill"
+    template = "rmsnorm_prefill.cu.j2"
+    uri_fields = ("hidden", "threads")
+    signature: ClassVar[tuple[tuple[str, str], ...]] = (("h", "ptr"), ("w", "ptr"), ("xn", "ptr"), ("m", "i32"))
+
+    hidden: int
+    eps: float
+    threads: int = 128       # threads per row (hidden / 4 must split evenly over them)
+    max_m: int = 4096        # rows the default grid covers
+
+    def validate(self) -> None:
+        super().validate()
+        if self.threads % 32 or not 32 <= self.threads <= 1024 or self.hidden % (4 * self.threads):
+            raise SpecError(f"{self.family}: hidden ({self.hidden}) must split into float4 columns over "
+                            f"threads ({self.threads}, a multiple of 32)")
+        if self.eps <= 0 or self.max_m <= 0:
+            raise SpecError(f"{self.family}: eps and max_m must be positive")
+
+    def launch(self, m: int | None = None) -> Launch:
+        return Launch(grid=(self.max_m if m is None else m, 1, 1), block=(self.threads, 1, 1))
+
+
+def rmsnorm_threads(hidden: int) -> int:
+    """The largest of 256, 128, 64, 32 threads that splits hidden into whole float4 columns."""
+    return next(t for t in (256, 128, 64, 32) if hidden % (4 * t) == 0)
+
+
+def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
+    norm = RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, threads=rmsnorm_threads(dims.hidden))
+    return [*model_gemms(dims, cfg.quant.group_size).values(), norm]

@@ -1,0 +1,164 @@
+"""GPU unit tests of rope_append_prefill + attention_prefill (causal flash attention over the paged KV
+cache) against nanoqwen.reference (rope_tables, rope, attention, f16) on fresh random data each run, for
+the 7B dims (4 KV heads x GQA 7) and the tiny model (1 KV head x 7).
+
+- Prompt lengths 1, 15, 16, 17, 100, 512 (and 2048 for the tiny model) in one chunk from position 0, and
+  chunked prefills (several chunks, lengths ending mid-page) where each chunk attends to the pages the
+  earlier chunks wrote.
+- Pages sit in a shuffled physical order; every slot outside the sequence is poisoned (K = 65504, V = NaN)
+  so a read past the causal range or a wrong page shows; outputs are poisoned (NaN) before each launch.
+- Tolerances: q_rot and the written K/V pages are bit-exact (same fp32 rounding as numpy); o16 is within
+  one fp16 ulp (+ 1e-5 of max|ref|) of the fp32 reference elementwise, and ||o16 - ref|| / ||ref|| <= 1e-3
+  (q and p are split fp16 hi + lo in the kernel: the fp32-like part is ~1e-6, the rest is o16's rounding).
+  The split=False variant (plain fp16 q and p) is checked at rel 1e-2 (fp16 q alone costs ~1e-3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from nanoqwen import codegen, config
+from nanoqwen import reference as R
+from nanoqwen.codegen.kernels import attention_prefill as AP
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.runtime import driver
+from nanoqwen.runtime.paged_kv import KVLayout, PageTable
+from nanoqwen.testmodels import tiny_dims
+
+pytestmark = pytest.mark.gpu
+
+CFG = config.default()
+MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
+MAX_TOKENS = 2048
+SPARE_PAGES = 8
+K_POISON, V_POISON = np.float16(65504.0), np.float16(np.nan)
+REL_TOL, REL_TOL_NOSPLIT = 1e-3, 1e-2
+LENGTHS = {"7b": [1, 15, 16, 17, 100, 512], "tiny": [1, 15, 16, 17, 100, 512, 2048]}
+CHUNKS = [[100, 17, 183], [16, 16, 1, 31], [5, 250]]   # chunk lengths of one prompt, in order
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def fns():
+    specs = [s for d in MODELS.values() for s in AP.prefill_attention_specs(d, CFG)]
+    specs.append(replace(AP.prefill_attention_specs(MODELS["tiny"], CFG)[1], split=False))
+    return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
+
+
+class Prompt:
+    """One prompt's qkv activations, shuffled pages and device buffers; runs chunks through the kernels."""
+
+    def __init__(self, dims, rng, total: int):
+        self.dims, self.total = dims, total
+        P = CFG.kv_cache.page_size
+        self.lay = KVLayout(layers=1, kv_heads=dims.kv_heads, head_dim=dims.head_dim, page_size=P,
+                            num_pages=MAX_TOKENS // P + SPARE_PAGES, max_positions=MAX_TOKENS)
+        pages = PageTable(self.lay, order=rng.permutation(self.lay.num_pages))
+        self.table = pages.reserve(total).copy()
+        H, KV, D = dims.heads, dims.kv_heads, dims.head_dim
+        self.qkv = (3.0 * rng.standard_normal((total, (H + 2 * KV) * D))).astype(np.float32)
+        self.cos, self.sin = R.rope_tables(dims, MAX_TOKENS)
+        pos = np.arange(total)
+        q = self.qkv[:, :H * D].reshape(total, H, D)
+        k = self.qkv[:, H * D:(H + KV) * D].reshape(total, KV, D)
+        v = self.qkv[:, (H + KV) * D:].reshape(total, KV, D)
+        self.q_rot = R.rope(q, self.cos, self.sin, pos)
+        self.k16 = R.f16(R.rope(k, self.cos, self.sin, pos))
+        self.v16 = R.f16(v)
+        self.ref = R.attention(self.q_rot, self.k16, self.v16, pos)           # [total, H, D] fp32
+        self.buf = {n: driver.DeviceBuffer.from_array(a) for n, a in (
+            ("rope_cos", self.cos), ("rope_sin", self.sin), ("page_table", self.table),
+            ("k_pool", np.full(self.lay.pool_shape, K_POISON, np.float16)),
+            ("v_pool", np.full(self.lay.pool_shape, V_POISON, np.float16)))}
+        self.buf["qkv"] = driver.DeviceBuffer(self.qkv.nbytes)
+        self.buf["q_rot"] = driver.DeviceBuffer(total * H * D * 4)
+        self.buf["o16"] = driver.DeviceBuffer(total * H * D * 2)
+
+    def chunk(self, fns, rope_spec, attn_spec, p0: int, n: int):
+        """Run one chunk [p0, p0 + n); returns (q_rot, o16) of its tokens."""
+        b, H, D = self.buf, self.dims.heads, self.dims.head_dim
+        b["qkv"].upload(self.qkv[p0:p0 + n])
+        b["q_rot"].poison()
+        b["o16"].poison()
+        fns[rope_spec].launch(rope_spec.launch(n), None, pdl=False, qkv=b["qkv"], rope_cos=b["rope_cos"],
+                              rope_sin=b["rope_sin"], page_table=b["page_table"], q_rot=b["q_rot"],
+                              k_pool=b["k_pool"], v_pool=b["v_pool"], p0=p0, n=n)
+        fns[attn_spec].launch(attn_spec.launch(n), None, pdl=True, q_rot=b["q_rot"], k_pool=b["k_pool"],
+                              v_pool=b["v_pool"], page_table=b["page_table"], o16=b["o16"], p0=p0, n=n)
+        driver.device().synchronize()
+        q_rot = b["q_rot"].download(dtype=np.float32, shape=(n, H, D))
+        o16 = b["o16"].download(dtype=np.float16, shape=(n, H, D))
+        return q_rot, o16
+
+    def check_pages(self, upto: int, what: str) -> None:
+        """Positions [0, upto) hold f16(k_rot), f16(v) bit for bit; every other slot is still poison."""
+        P = self.lay.page_size
+        k = self.buf["k_pool"].download(dtype=np.float16, shape=self.lay.pool_shape)
+        v = self.buf["v_pool"].download(dtype=np.float16, shape=self.lay.pool_shape)
+        t = np.arange(upto)
+        phys, slot = self.table[t // P], t % P
+        assert np.array_equal(k[phys, :, slot, :], self.k16[:upto]), f"{what}: K pages differ"
+        assert np.array_equal(v[phys, :, slot, :], self.v16[:upto], equal_nan=True), f"{what}: V pages differ"
+        written = np.zeros(self.lay.pool_shape[0] * P, bool)
+        written[phys * P + slot] = True
+        rest = ~written.reshape(self.lay.pool_shape[0], P)
+        assert (k.transpose(0, 2, 1, 3)[rest] == K_POISON).all(), f"{what}: K written outside the sequence"
+        assert np.isnan(v.transpose(0, 2, 1, 3)[rest]).all(), f"{what}: V written outside the sequence"
+
+
+def _check_o16(o16, ref, tol, what, exact_ulp=True) -> float:
+    assert np.isfinite(o16).all(), f"{what}: {o16.size - np.isfinite(o16).sum()} non-finite o16 elements"
+    if exact_ulp:
+        ulp = np.spacing(np.abs(R.f16(ref))).astype(np.float64) + 1e-5 * np.abs(ref).max()
+        bad = np.abs(o16.astype(np.float64) - ref) > ulp
+        assert not bad.any(), f"{what}: {bad.sum()} o16 elements more than 1 fp16 ulp off"
+    err = rel_err(o16, ref)
+    print(f"{what}: o16 rel {err:.2e} (tol {tol:.0e})")
+    assert err <= tol, f"{what}: rel error {err:.3e} > {tol}"
+    return err
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prefill_one_chunk(fns, model):
+    dims = MODELS[model]
+    rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
+    rng = np.random.default_rng()
+    for n in LENGTHS[model]:
+        pr = Prompt(dims, rng, n)
+        q_rot, o16 = pr.chunk(fns, rope_spec, attn_spec, 0, n)
+        what = f"{model} n={n}"
+        assert np.array_equal(q_rot, pr.q_rot), f"{what}: q_rot differs from the fp32 reference"
+        pr.check_pages(n, what)
+        _check_o16(o16, pr.ref, REL_TOL, what)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("chunks", CHUNKS, ids=lambda c: "+".join(map(str, c)))
+def test_prefill_chunked(fns, model, chunks):
+    dims = MODELS[model]
+    rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
+    pr = Prompt(dims, np.random.default_rng(), sum(chunks))
+    p0 = 0
+    for n in chunks:
+        q_rot, o16 = pr.chunk(fns, rope_spec, attn_spec, p0, n)
+        what = f"{model} chunk [{p0}, {p0 + n})"
+        assert np.array_equal(q_rot, pr.q_rot[p0:p0 + n]), f"{what}: q_rot differs"
+        _check_o16(o16, pr.ref[p0:p0 + n], REL_TOL, what)
+        p0 += n
+    pr.check_pages(p0, f"{model} chunks {chunks}")
+
+
+def test_prefill_no_split(fns):
+    dims = MODELS["tiny"]
+    rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
+    attn_spec = replace(attn_spec, split=False)
+    pr = Prompt(dims, np.random.default_rng(), 300)
+    _, o16 = pr.chunk(fns, rope_spec, attn_spec, 0, 300)
+    _check_o16(o16, pr.ref, REL_TOL_NOSPLIT, "tiny split=False n=300", exact_ulp=False)

@@ -1,0 +1,109 @@
+"""Prefill kernels on the CPU (no GPU): the INT4 tensor-core GEMM, the prefill RMSNorm, RoPE append and
+causal flash attention render and compile for sm_90a for the 7B and tiny-model dims plus the non-default
+variants (f16 epilogue, bk 128, 2 CTAs/SM tile, split-K, attention split=False), with zero spills and no local memory; the
+SASS of every tensor-core kernel holds HMMA (mma.sync) and no local loads/stores; bad specs are rejected
+with a message naming the field; launch grids follow M / n."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from nanoqwen import codegen, config
+from nanoqwen.codegen import resources
+from nanoqwen.codegen.kernels import attention_prefill as AP
+from nanoqwen.codegen.kernels import gemm as G
+from nanoqwen.codegen.spec import SpecError
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.testmodels import tiny_dims
+
+CFG = config.default()
+MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
+
+
+def _specs():
+    out = []
+    for d in MODELS.values():
+        out += G.specs_for_model(d, CFG) + AP.specs_for_model(d, CFG)
+    d = QWEN25_7B
+    qkv = G.model_gemms(d)["qkv"]
+    out += [replace(qkv, epilogue="f16"), replace(qkv, bk=128, stages=3),
+            replace(qkv, bm=64, min_blocks=2), replace(G.model_gemms(d)["down"], split_k=4),
+            replace(AP.specs_for_model(d, CFG)[1], split=False)]
+    return list(dict.fromkeys(out))
+
+
+SPECS = _specs()
+TENSOR_CORE = ("gemm_int4", "attention_prefill")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("prefill-cache")))
+    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
+    try:
+        yield {b.spec: b for b in codegen.build_many(SPECS)}
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])
+def test_compiles_without_spills(built, spec):
+    r = built[spec].resources
+    assert r.local_bytes == 0 and r.spill_stores == 0 and r.spill_loads == 0, f"{spec.uri}: {r}"
+    assert r.registers <= 255
+
+
+@pytest.mark.skipif(resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None,
+                    reason="no cuobjdump / nvdisasm to read SASS")
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.family in TENSOR_CORE],
+                         ids=[s.uri for s in SPECS if s.family in TENSOR_CORE])
+def test_sass_uses_tensor_cores(built, spec):
+    sass = resources.sass(built[spec].cubin)
+    assert "HMMA.16816.F32" in sass, f"{spec.uri}: no HMMA.16816.F32 in the SASS"
+    assert "LDL" not in sass and "STL" not in sass, f"{spec.uri}: local memory traffic in the SASS"
+    assert "LDSM" in sass, f"{spec.uri}: fragments not loaded with ldmatrix"
+
+
+def test_gemm_launch_follows_m():
+    s = G.model_gemms(QWEN25_7B)["qkv"]
+    assert s.launch(1).grid == (4608 // 128, 1, 1)
+    assert s.launch(129).grid == (4608 // 128, 2, 1)
+    assert s.launch().grid == (36, 4096 // 128, 1)
+    assert s.launch(1).smem == 4 * (128 * 64 * 2 + 128 * 64 // 2)
+    gu = G.model_gemms(QWEN25_7B)["gate_up"]
+    assert gu.n == 2 * 18944 and gu.epilogue == "swiglu"
+
+
+def test_attention_launch_follows_n():
+    _, a = AP.specs_for_model(QWEN25_7B, CFG)
+    assert a.launch(1).grid == (1, 28, 1)
+    assert a.launch(65).grid == (2, 28, 1)
+    assert a.flops(0, 1) == 4 * 128 * 28
+    r, _ = AP.specs_for_model(QWEN25_7B, CFG)
+    assert r.launch(17).grid == (17, 32, 1)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(n=4608, k=3584, epilogue="gelu"), "epilogue"),
+    (dict(n=4600, k=3584), "n"),
+    (dict(n=4608, k=3500), "k"),
+    (dict(n=4608, k=3584, bk=32), "bk"),
+    (dict(n=4608, k=3584, epilogue="residual", bias=True), "bias"),
+    (dict(n=4608, k=3584, stages=8, bk=128, bn=256, bm=256), "shared memory"),
+    (dict(n=4608, k=3584, bm=80), "bm"),
+    (dict(n=4608, k=3584, split_k=2), "split_k"),
+    (dict(n=4608, k=3584, epilogue="residual", split_k=3), "split_k"),
+])
+def test_gemm_rejects_bad_specs(kw, field):
+    with pytest.raises(SpecError, match=field):
+        G.GemmInt4Spec(**kw).validate()
+
+
+def test_attention_rejects_bad_specs():
+    with pytest.raises(SpecError, match="bkv"):
+        AP.AttentionPrefillSpec(head_dim=128, heads=28, kv_heads=4, bkv=24).validate()
+    with pytest.raises(SpecError, match="kv_heads"):
+        AP.AttentionPrefillSpec(head_dim=128, heads=28, kv_heads=5).validate()
