@@ -12,6 +12,7 @@ import pytest
 from nanoqwen import codegen, config
 from nanoqwen.codegen import cache, kernels, resources
 from nanoqwen.dims import QWEN25_7B, ModelDims
+from nanoqwen.tuning import tuned
 
 
 def _tiny_dims() -> ModelDims:
@@ -24,7 +25,9 @@ def _tiny_dims() -> ModelDims:
 
 
 MODELS = {"7b": QWEN25_7B, "tiny": _tiny_dims()}
-SPECS = {name: codegen.model_kernels(dims) for name, dims in MODELS.items()}
+# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU)
+SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())))
+         for name, dims in MODELS.items()}
 CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 
 

@@ -1,8 +1,44 @@
-"""`nanoqwen-tune`: not built yet (see its issue)."""
+"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--budget SECONDS]`: sweep the INT4
+GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in tune/tuned.json,
+which the decoder and `nanoqwen bench --kernels` read at startup."""
 
+from __future__ import annotations
+
+import argparse
 import sys
+
+from .. import NanoqwenError, config
+from .errors import run_main
+
+KERNELS = ("gemv",)
+
+
+def _main(argv) -> int:
+    p = argparse.ArgumentParser(prog="nanoqwen-tune", description=__doc__)
+    p.add_argument("--model", default="7b", help="7b (default), a .nanoqwen file or a HF directory: whose shapes")
+    p.add_argument("--kernels", default="gemv", help="kernel families to tune (comma-separated; only gemv so far)")
+    p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="GEMV roles (comma-separated)")
+    p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
+                   help="stop judging new candidates after this long (resume later: progress is kept)")
+    args = p.parse_args(argv)
+    families = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in families if k not in KERNELS]
+    if unknown:
+        raise NanoqwenError(f"--kernels: no tuner for {', '.join(unknown)} yet (tunable: {', '.join(KERNELS)})")
+    from ..codegen.kernels import gemv
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    bad = [r for r in roles if r not in gemv.ROLES]
+    if bad:
+        raise NanoqwenError(f"--roles: unknown role(s) {', '.join(bad)} (known: {', '.join(gemv.ROLES)})")
+    if args.budget <= 0:
+        raise NanoqwenError(f"--budget must be positive, got {args.budget}")
+    from .gen import model_dims
+    from ..tuning import sweep
+    dims = model_dims(args.model)
+    summary = sweep.tune(dims, config.default(), roles, args.budget, log=lambda m: print(m, flush=True))
+    print(sweep.table(summary))
+    return 0
 
 
 def main(argv=None) -> int:
-    print("nanoqwen-tune: not built yet", file=sys.stderr)
-    return 2
+    return run_main(_main, sys.argv[1:] if argv is None else argv)

@@ -15,22 +15,21 @@ import pytest
 
 from nanoqwen import codegen, config, quant
 from nanoqwen import reference as R
+from nanoqwen.bench.gemv_case import GemvCase, rel_err
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime import driver
 from nanoqwen.testmodels import tiny_dims
+from nanoqwen.tuning import tuned
 
 pytestmark = pytest.mark.gpu
 
 CFG = config.default()
 TOL = CFG.validation.gemv_rel_tol
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
-CASES = [(m, s) for m, d in MODELS.items() for s in gemv.variants(d, CFG)]
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+# every variant, plus every tuned tile tune/tuned.json holds (tuned kernels must be as right as the defaults)
+CASES = [(m, s) for m, d in MODELS.items()
+         for s in dict.fromkeys(gemv.variants(d, CFG) + tuned.tuned_specs(d, CFG))]
 
 
 def random_int4(rng, n: int, k: int):
@@ -50,63 +49,13 @@ def fns():
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("model,spec", CASES, ids=[f"{m}-{s.uri}" for m, s in CASES])
 def test_gemv_matches_reference(fns, model, spec, pdl):
-    rng = np.random.default_rng()
-    n, k = spec.n, spec.k
-    fn = fns[spec]
-    keep = []
-
-    def dev(a):
-        b = driver.DeviceBuffer.from_array(np.ascontiguousarray(a))
-        keep.append(b)
-        return b
-
-    args, mats = {}, []
-    for m in range(spec.mats):
-        packed, scales, w = random_int4(rng, n, k)
-        args[f"w{m}"], args[f"s{m}"] = dev(packed), dev(scales)
-        mats.append(w.astype(np.float64))
-    if spec.norm:
-        h = (rng.standard_normal(k) * 3).astype(np.float32)
-        norm_w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
-        args["h"], args["norm_w"] = dev(h), dev(norm_w)
-        x = R.rmsnorm_f16(h, norm_w, spec.eps)
-    else:
-        x = rng.standard_normal(k).astype(np.float16)
-        args["x"] = dev(x)
-    x64 = x.astype(np.float64)
-    ys = [w @ x64 for w in mats]
-
-    out_dtype = np.float16 if spec.out_f16 else np.float32
-    y = driver.DeviceBuffer(n * np.dtype(out_dtype).itemsize)
-    keep.append(y)
-    if spec.epilogue == "residual":
-        h0 = rng.standard_normal(n).astype(np.float32)
-        y.upload(h0)
-        ref = h0.astype(np.float64) + ys[0]
-    else:
-        y.poison()
-        if spec.epilogue == "bias":
-            bias = rng.standard_normal(n).astype(np.float16)
-            args["bias"] = dev(bias)
-            ref = ys[0] + bias.astype(np.float64)
-        elif spec.epilogue == "swiglu":
-            ref = R.swiglu_f16(ys[0], ys[1]).astype(np.float64)
-        else:
-            ref = ys[0]
-    if spec.out_f16:
-        ref = R.f16(ref).astype(np.float64)
-    args["y"] = y
-
-    fn.launch(spec.launch(), pdl=pdl, **args)
-    driver.device().synchronize()
-    out = y.download(dtype=out_dtype, shape=(n,))
-    bad = np.flatnonzero(~np.isfinite(out))
-    assert bad.size == 0, f"{spec.uri}: {bad.size} non-finite outputs (first at {bad[:8]}): unwritten or overflow"
-    err = rel_err(out, ref)
+    case = GemvCase(spec, np.random.default_rng())
+    try:
+        err = case.check(fns[spec], spec, pdl=pdl)
+    finally:
+        case.free()
     print(f"{spec.uri} pdl={pdl}: rel err {err:.2e} (tol {TOL:.0e})")
     assert err <= TOL, f"{spec.uri}: ||out - ref|| / ||ref|| = {err:.3e} > {TOL}"
-    for b in keep:
-        b.free()
 
 
 @pytest.mark.parametrize("model", list(MODELS))

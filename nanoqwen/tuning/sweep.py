@@ -1,0 +1,126 @@
+"""The GPU sweep behind `nanoqwen-tune`: per GEMV role, every candidate of the search space is compiled
+(in parallel, on the CPU), checked against the numpy answer on the GPU (a fast wrong kernel is discarded
+and reported), then timed the way decode runs it (graph back-to-back with PDL, weights rotating through
+more than L2). The best per (GPU, shape) goes into tune/tuned.json. Progress is kept per candidate in a
+side file, so an interrupted sweep resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from .. import ROOT, codegen, config
+from ..bench import kernels as kbench
+from ..bench.gemv_case import GemvCase
+from ..dims import ModelDims
+from ..runtime import driver
+from . import space, store, tuned
+
+PROGRESS_DIR = ROOT / "tune" / ".progress"
+
+
+class _Progress:
+    """uri -> result of every candidate already judged on this GPU (resumability)."""
+
+    def __init__(self, gpu: str):
+        PROGRESS_DIR.mkdir(parents=True, exist_ok=True)
+        self.path = PROGRESS_DIR / (gpu.replace(" ", "_").replace("/", "_") + ".json")
+        try:
+            self.done = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            self.done = {}
+
+    def add(self, uri: str, result: dict) -> None:
+        self.done[uri] = result
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done))
+        os.replace(tmp, self.path)
+
+
+def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print) -> list[dict]:
+    dev = driver.device()
+    gpu = dev.props.name
+    stream, rng = driver.Stream(), np.random.default_rng()
+    progress = _Progress(gpu)
+    copy = kbench.copy_bandwidth(stream)["GBps"]
+    log(f"{gpu}: copy bandwidth {copy:.0f} GB/s; budget {budget_s:.0f} s")
+    deadline = time.monotonic() + budget_s
+    blocker = driver.DeviceBuffer(kbench.BLOCKER_BYTES)
+    tol = cfg.validation.gemv_rel_tol
+    summary, entries = [], {}
+    for role in roles:
+        cands, ruled_out = space.gemv_candidates(role, dims, cfg)
+        log(f"{role}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
+        built = codegen.build_many(cands, progress=codegen.ProgressLine(), return_exceptions=True)
+        # candidates differ only in tile parameters: one set of buffers (and one numpy answer) serves all
+        case = GemvCase(cands[0], rng, kbench.rotating_copies(cands[0], cfg.bench.l2_rotate_bytes))
+        best = None
+        try:
+            for i, (spec, b) in enumerate(zip(cands, built)):
+                if isinstance(b, Exception):
+                    log(f"  {spec.uri}: compile error: {str(b).splitlines()[0]}")
+                    continue
+                res = progress.done.get(_pkey(b))
+                if res is None:
+                    if time.monotonic() > deadline:
+                        log(f"{role}: budget spent after {i}/{len(cands)} candidates")
+                        break
+                    res = _judge(spec, b, case, stream, blocker, copy, tol)
+                    progress.add(_pkey(b), res)
+                if res["status"] == "wrong":
+                    log(f"  DISCARDED {spec.uri}: rel err {res['rel_err']:.2e} > {tol} (fast but wrong)")
+                elif res["status"] == "ok" and (best is None or res["us"] < best[1]["us"]):
+                    best = (spec, res)
+                if (i + 1) % 10 == 0 or i + 1 == len(cands):
+                    b_us = f"{best[1]['us']:.2f} us, {best[1]['GBps']:.0f} GB/s ({best[1]['pct_copy']:.1f}%)" if best else "-"
+                    log(f"  {role}: {i + 1}/{len(cands)} judged, best so far {b_us}")
+        finally:
+            case.free()
+        default_res = progress.done.get(_pkey(built[0])) if not isinstance(built[0], Exception) else None
+        if best is None or default_res is None or default_res["status"] != "ok":
+            log(f"{role}: no valid timing for the config default; nothing stored")
+            continue
+        spec, res = best
+        entries[tuned.entry_key(role, dims, cfg, gpu)] = {
+            "params": space.tile_params(spec), "uri": spec.uri, "us": res["us"], "GBps": res["GBps"],
+            "pct_copy": res["pct_copy"], "default_params": space.tile_params(cands[0]),
+            "default_us": default_res["us"], "default_pct_copy": default_res["pct_copy"],
+            "rel_err": res["rel_err"], "candidates": len(cands),
+            "judged": sum(not isinstance(b, Exception) and _pkey(b) in progress.done for b in built),
+            "copy_GBps": copy}
+        summary.append({"role": role, **entries[tuned.entry_key(role, dims, cfg, gpu)]})
+    blocker.free()
+    stream.close()
+    if entries:
+        store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()})
+    return summary
+
+
+def _pkey(built) -> str:
+    """Progress key: the cached cubin's name (URI + source hash), so an edited template is judged anew."""
+    return built.path.name
+
+
+def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float) -> dict:
+    if built.resources.spill_stores or built.resources.local_bytes:
+        return {"status": "spills"}
+    fn = driver.load(built)
+    err = case.check(fn, spec, stream)
+    if not err <= tol:
+        return {"status": "wrong", "rel_err": err}
+    r = kbench.row("", spec, kbench.time_spec(case, fn, spec, stream, blocker), copy_GBps, case.copies)
+    return {"status": "ok", "rel_err": err, "us": r["graph"]["us"], "GBps": r["graph"]["GBps"],
+            "pct_copy": r["graph"]["pct_copy"], "alone_us": r["alone"]["us"]}
+
+
+def table(summary: list[dict]) -> str:
+    head = f"{'role':<8} {'default us':>10} {'%copy':>6} | {'tuned us':>8} {'%copy':>6} | {'gain':>6}  params"
+    lines = [head, "-" * len(head)]
+    for r in summary:
+        gain = r["default_us"] / r["us"] - 1
+        lines.append(f"{r['role']:<8} {r['default_us']:>10.2f} {r['default_pct_copy']:>5.1f}% | {r['us']:>8.2f} "
+                     f"{r['pct_copy']:>5.1f}% | {100 * gain:>5.1f}%  {r['params']}")
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""nanoqwen-tune on the CPU: search-space constraints, the tuned-results store (atomic merge, stale and
+missing entries fall back to the config with a notice) and the CLI's argument errors. The GPU sweep
+itself runs in tools/gpu_check.sh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoqwen import config
+from nanoqwen.cli import tune as tune_cli
+from nanoqwen.codegen.kernels import gemv
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.tuning import space, store, tuned
+
+CFG = config.default()
+
+
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_candidates_are_valid_distinct_and_start_with_the_default(role):
+    cands, ruled_out = space.gemv_candidates(role, QWEN25_7B, CFG)
+    assert cands[0] == gemv.role_spec(role, QWEN25_7B, CFG)
+    assert len(set(cands)) == len(cands) > 1
+    for spec in cands:
+        spec.validate()
+        assert (spec.n, spec.k) == gemv.role_shape(role, QWEN25_7B)
+    if role in ("qkv", "gate_up"):   # split-K is ruled out for non-residual epilogues before compiling
+        assert ruled_out > 0 and all(s.splitk == 1 for s in cands)
+
+
+@pytest.fixture
+def tmp_store(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(store, "TUNED_PATH", path)
+    store.lookup_params.cache_clear()
+    tuned._notice_once.cache_clear()
+    yield path
+    store.lookup_params.cache_clear()
+
+
+def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
+    gpu = "Test GPU"
+    default = gemv.role_spec("qkv", QWEN25_7B, CFG)
+    assert tuned.role_spec("qkv", QWEN25_7B, CFG, gpu) == default
+    assert "no tuned qkv GEMV for Test GPU" in capsys.readouterr().err
+    key = tuned.entry_key("qkv", QWEN25_7B, CFG, gpu)
+    store.merge_write({key: {"params": {"rows": 2, "lanes": 32, "warps": 4}}}, {"gpu": gpu}, tmp_store)
+    spec = tuned.role_spec("qkv", QWEN25_7B, CFG, gpu)
+    assert (spec.rows, spec.lanes, spec.warps) == (2, 32, 4) and spec != default
+    assert spec in tuned.tuned_specs(QWEN25_7B, CFG)
+    store.merge_write({key: {"params": {"rows": 3}}}, {}, tmp_store)          # rows 3 is impossible
+    assert tuned.role_spec("qkv", QWEN25_7B, CFG, gpu) == default
+    assert "stale tuned entry" in capsys.readouterr().err
+
+
+def test_merge_keeps_other_entries_and_leaves_no_temp_files(tmp_store):
+    store.merge_write({"a": {"params": {}}}, {"gpu": "x"}, tmp_store)
+    store.merge_write({"b": {"params": {}}}, {"gpu": "y"}, tmp_store)
+    data = json.loads(tmp_store.read_text())
+    assert set(data["entries"]) == {"a", "b"} and data["meta"]["gpu"] == "y"
+    assert [p.name for p in tmp_store.parent.iterdir()] == ["tuned.json"]
+
+
+def test_unknown_format_is_a_clear_error(tmp_path):
+    p = tmp_path / "tuned.json"
+    p.write_text(json.dumps({"meta": {"format": 99}, "entries": {}}))
+    with pytest.raises(store.StoreError, match="unknown format"):
+        store.load(p)
+
+
+@pytest.mark.parametrize("argv,msg", [(["--kernels", "attention"], "no tuner for attention"),
+                                      (["--roles", "qkv,lm"], "unknown role"),
+                                      (["--budget", "0"], "must be positive")])
+def test_cli_errors_are_one_line(argv, msg, capsys):
+    assert tune_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
