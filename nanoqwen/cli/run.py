@@ -1,0 +1,77 @@
+"""`nanoqwen run MODEL --prompt TEXT | --chat TEXT`: generate text. MODEL is a .nanoqwen file or a Hugging
+Face directory (packed on first use into the cache, keyed by its content). Greedy by default, so the
+same command prints the same text; --temperature/--top-p/--seed sample instead. The text goes to stdout
+(a --prompt is echoed before its continuation, a --chat reply stands alone); timings go to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from .. import NanoqwenError
+from ..backends import BACKENDS, open_engine
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL", help=".nanoqwen file or Hugging Face model directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw text to continue")
+    what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    p.add_argument("--system", help="system message for --chat (default: the template's)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible runs)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="cuda, reference (numpy on the CPU) or auto (cuda when a GPU is present)")
+    p.add_argument("--eager", action="store_true", help="launch kernels one by one instead of CUDA graphs")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens (default: exactly prompt + max-new-tokens)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with tokenizer.json (default: beside MODEL)")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from ..modelcache import resolve
+    from ..nqfile import NanoqwenFile
+    from ..runtime.generate import check_request, generate
+    from ..runtime.sampler import Sampling
+    from ..tokenizer import Tokenizer
+
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+    path, tok_dir = resolve(args.model, args.tokenizer, log=_log)
+    if tok_dir is None:
+        raise NanoqwenError(f"{path}: no tokenizer.json beside the model; pass --tokenizer DIR")
+    tok = Tokenizer(tok_dir)
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.chat}]
+        prompt_ids = tok.encode_chat(messages)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    context = args.context or len(prompt_ids) + args.max_new_tokens
+    check_request(NanoqwenFile(path).dims, prompt_ids, args.max_new_tokens, context)  # fail before loading
+    engine = open_engine(args.backend, path, context, eager=args.eager, log=_log)
+    out = sys.stdout
+    if args.prompt is not None:
+        out.write(args.prompt)
+        out.flush()
+
+    def on_text(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+
+    result = generate(engine, tok, prompt_ids, args.max_new_tokens, sampling, on_text if args.stream else None)
+    if not args.stream:
+        out.write(result.text)
+    out.write("\n")
+    out.flush()
+    bandwidth = getattr(engine, "bytes_per_token", 0) * result.tokens_per_s
+    _log(f"[{engine.name}] prompt {result.prompt_tokens} tokens, generated {len(result.tokens)} "
+         f"(stop: {result.stop}); TTFT {1e3 * result.ttft_s:.1f} ms, {result.tokens_per_s:.2f} tokens/s"
+         + (f", {bandwidth / 1e9:.0f} GB/s of weights" if bandwidth else ""))
+    return 130 if result.stop == "interrupted" else 0

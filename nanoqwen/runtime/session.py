@@ -1,0 +1,86 @@
+"""The CUDA engine: one model on one GPU, ready to generate. Start-up in the order that fails fastest:
+open and validate the file, check the device and that everything fits in its free memory (one line
+naming the bytes), build (or fetch from the cache) every kernel of the decode step, upload the weights
+once, allocate the KV cache, then warm up one eager step and capture the step graph. Reports load time,
+compile time and cache hits like gpt-fast."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .. import NanoqwenError, codegen, config
+from ..codegen.cache import STATS
+from ..nqfile import NanoqwenFile
+from ..progress import Progress
+from ..reference import rope_tables
+from . import driver
+from .decoder import Decoder, step_specs
+from .generate import check_request
+from .paged_kv import KVLayout, PagedKVCache
+from .sampler import Sampling
+from .weights import Weights, plan
+
+GiB = 2**30
+
+
+class DeviceError(NanoqwenError):
+    pass
+
+
+def scratch_bytes(dims, capacity: int) -> int:
+    """Upper bound of the decoder's own buffers (activations, partials, tokens, rope tables), for the
+    up-front memory check; a few MB even for 7B."""
+    d = dims
+    acts = 4 * (2 * d.hidden + 2 * d.q_dim + 2 * d.kv_dim + 2 * d.intermediate + 2 * d.vocab)
+    return acts + 4 * d.heads * 1024 * (d.head_dim + 2) + 8 * capacity + 4 * capacity * d.head_dim + (1 << 20)
+
+
+class CudaSession:
+    def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
+                 cfg: config.Config | None = None, ahead: int = 8):
+        cfg = cfg or config.default()
+        t0 = time.perf_counter()
+        f = NanoqwenFile(path, cfg)
+        self.dims = d = f.dims
+        dev = driver.device()
+        props = dev.props
+        if props.compute_capability < (9, 0):
+            raise DeviceError(f"{props.name} is sm_{props.compute_capability[0]}{props.compute_capability[1]}: "
+                              f"nanoqwen's kernels need Hopper (sm_90)")
+        layout = KVLayout.for_model(d, cfg, context)
+        self.context = layout.capacity_tokens
+        w_bytes, kv_bytes = plan(f).nbytes, layout.total_bytes
+        need = w_bytes + kv_bytes + scratch_bytes(d, self.context)
+        if need > props.free_mem:
+            raise DeviceError(f"not enough GPU memory: {need / GiB:.2f} GiB needed (weights {w_bytes / GiB:.2f}, "
+                              f"KV cache for {self.context} tokens {kv_bytes / GiB:.2f}), {props.free_mem / GiB:.2f} "
+                              f"GiB free of {props.total_mem / GiB:.2f} on {props.name}")
+        specs = step_specs(d, cfg)
+        hits0, t1 = STATS.hits, time.perf_counter()
+        built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
+        kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
+        t2 = time.perf_counter()
+        bar = Progress(w_bytes, "upload")
+        self.weights = Weights(f, progress=bar)
+        bar.close()
+        self.kv = PagedKVCache(layout)
+        self.decoder = Decoder(d, self.weights, self.kv, kernels, rope_tables(d, self.context), self.context,
+                               graphs=not eager, ahead=ahead)
+        self.decoder.warm_up()
+        self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}"
+        # weight bytes one token streams (the embedding table is read one row at a time unless tied)
+        self.bytes_per_token = w_bytes - (0 if d.tie_embeddings else self.weights.plan.regions["embed"].nbytes)
+        log(f"loaded {f.path.name} in {time.perf_counter() - t0:.1f} s: {len(specs)} kernels "
+            f"({STATS.hits - hits0} cached, {t2 - t1:.1f} s), weights {w_bytes / GiB:.2f} GiB, "
+            f"KV cache {self.context} tokens")
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling()):
+        check_request(self.dims, prompt, max_new_tokens, self.context)
+        return self.decoder.generate(prompt, max_new_tokens, sampling)
+
+    def close(self) -> None:
+        """Give the GPU memory back (tests open several sessions in one process)."""
+        self.decoder.close()
+        self.kv.free()
+        self.weights.buffer.free()
