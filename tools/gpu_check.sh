@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The whole GPU check in ONE device call: the gpu-marked tests, then the GEMV kernel benchmark.
-# Logs and JSON land under $OUT (the device tool's output folder; /tmp/nanoqwen-gpu-check otherwise).
-# Runs from the source tree with the machine's python3 (no installs): PYTHONPATH=. and cuda-bindings
-# finding NVRTC itself; the nvidia-cuda-nvrtc lib folder is added to LD_LIBRARY_PATH as a fallback.
-#   GPU_CHECK_TESTS   pytest targets (default: the whole suite, -m gpu)
-#   GPU_CHECK_BENCH   0 skips the benchmark; GPU_CHECK_BENCH_ARGS adds arguments (e.g. --sweep)
-#   NANOQWEN_COMMIT   commit id recorded in the JSON (the device tree has no .git)
+# The whole GPU check in ONE device call: the gpu-marked tests (one pytest process per file, so a sticky
+# CUDA error in one kernel cannot take the rest down with it), the GEMV kernel benchmark, optionally the
+# tuner, the pp512/tg128 model benchmark and the prefill GEMM benchmark. Everything lands under $OUT
+# (the device tool's output folder; /tmp/nanoqwen-gpu-check otherwise), at most 8 files.
+# Runs from the source tree with the machine's python3 (no installs): PYTHONPATH=.
+#   GPU_CHECK_TESTS    test files, space-separated (default: every tests/gpu/test_*.py; "none" skips)
+#   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
+#   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
+#   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b` (synthetic 7B, config protocol)
+#   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
+#   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nanoqwen-gpu-check}
@@ -13,38 +17,42 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
-nvrtc_dir=$($PY - <<'PYEOF' 2>/dev/null
-import glob, os, site, sys
-roots = site.getsitepackages() + [site.getusersitepackages(), "/usr/local/cuda/lib64"]
-hits = sorted(p for r in roots for p in glob.glob(os.path.join(r, "**", "libnvrtc.so*"), recursive=True)
-              if "stubs" not in p)
-print(os.path.dirname(hits[-1]) if hits else "")
-PYEOF
-)
-[ -n "$nvrtc_dir" ] && export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+LOG="$OUT/run.log"
+exec > >(tee -a "$LOG") 2>&1
 
-{
-    date -u
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,pstate \
-        --format=csv 2>&1 || echo "nvidia-smi not available"
-    echo "nvrtc dir: ${nvrtc_dir:-<not found>}"
-    $PY -c "import sys, numpy, cuda.bindings; from cuda.bindings import nvrtc; print(sys.version.split()[0], \
+date -u
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,pstate \
+    --format=csv 2>&1 || echo "nvidia-smi not available"
+$PY -c "import sys, numpy, cuda.bindings; from cuda.bindings import nvrtc; print(sys.version.split()[0], \
 'numpy', numpy.__version__, 'cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc.nvrtcVersion()[1:])"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
 
-t0=$(date +%s)
-# shellcheck disable=SC2086
-$PY -m pytest -m gpu -q -rfE -p no:cacheprovider ${GPU_CHECK_TESTS:-} 2>&1 | tee "$OUT/pytest-gpu.log"
-rc_tests=${PIPESTATUS[0]}
-echo "gpu tests: rc=$rc_tests in $(( $(date +%s) - t0 )) s"
-
-rc_bench=0
-if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
+status=0
+stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outcome
+    local name=$1 limit=$2 t0 rc
+    shift 2
     t0=$(date +%s)
-    $PY -m nanoqwen.cli.main bench --kernels ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.log"
-    rc_bench=${PIPESTATUS[0]}
-    echo "kernel bench: rc=$rc_bench in $(( $(date +%s) - t0 )) s"
+    timeout --signal=INT --kill-after=10 "$limit" "$@"
+    rc=$?
+    echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+    [ "$rc" = 0 ] || status=1
+}
+
+# compile every kernel of the 7B and the test models first, in parallel on all cores
+stage compile 180 $PY -m nanoqwen.cli.gen compile --model 7b >/dev/null
+if [ "${GPU_CHECK_TESTS:-}" != none ]; then
+    for f in ${GPU_CHECK_TESTS:-tests/gpu/test_*.py}; do
+        stage "$f" "${GPU_CHECK_TEST_TIMEOUT:-240}" $PY -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
+            > /tmp/gpu_check_last.log 2>&1
+        cat /tmp/gpu_check_last.log >> "$OUT/pytest.log"
+        grep -E "passed|failed|error|FAILED|ERROR|^== " /tmp/gpu_check_last.log | tail -30
+    done
 fi
-grep -E "passed|failed|error" "$OUT/pytest-gpu.log" | tail -3
-[ "$rc_tests" = 0 ] && [ "$rc_bench" = 0 ]
+if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
+    stage tune $(( GPU_CHECK_TUNE + 120 )) $PY -m nanoqwen.cli.tune --budget "$GPU_CHECK_TUNE"
+    cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
+fi
+[ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
+[ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 300 $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b.json" --plot "$OUT/itl.png"
+[ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
+grep -E "^== " "$LOG"
+exit $status

@@ -42,3 +42,7 @@ def _main(argv) -> int:
 
 def main(argv=None) -> int:
     return run_main(_main, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import NanoqwenError
 from ..codegen.kernels import attention, embed, gemv, lm_head
+from ..tuning import tuned
 from . import driver
 from .driver import check, cu
 from .prefill import prefill
@@ -59,11 +60,12 @@ def _wait(event: driver.Event, what: str, timeout: float = WAIT_TIMEOUT_S) -> No
         time.sleep(0)
 
 
-def step_specs(dims, cfg) -> dict:
-    """Role -> kernel spec of one decode step, each from its family's own constructor."""
+def step_specs(dims, cfg, gpu: str | None = None) -> dict:
+    """Role -> kernel spec of one decode step, each from its family's own constructor; the GEMVs take
+    this GPU's tuned tiles (tune/tuned.json) when there are any."""
     rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg)
     return {"embed": embed.specs_for_model(dims, cfg)[0],
-            **{role: gemv.role_spec(role, dims, cfg) for role in gemv.ROLES},
+            **{role: tuned.role_spec(role, dims, cfg, gpu) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,
             "attention_combine": attention_combine, "lm_head": lm_head.specs_for_model(dims, cfg)[0]}
 

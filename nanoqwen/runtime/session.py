@@ -56,7 +56,7 @@ class CudaSession:
             raise DeviceError(f"not enough GPU memory: {need / GiB:.2f} GiB needed (weights {w_bytes / GiB:.2f}, "
                               f"KV cache for {self.context} tokens {kv_bytes / GiB:.2f}), {props.free_mem / GiB:.2f} "
                               f"GiB free of {props.total_mem / GiB:.2f} on {props.name}")
-        specs = step_specs(d, cfg)
+        specs = step_specs(d, cfg, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
         kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
