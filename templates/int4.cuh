@@ -41,14 +41,48 @@ NQ_DEVICE float hsum2_f32(f16x2 v) {
     return f;
 }
 
+// Running max of |x| over 8 fp16 values, as bit patterns: with the sign bit cleared, the unsigned order
+// of fp16 bits is the order of magnitudes (NaN above inf), so two LOP/VIMNMX per word suffice.
+NQ_DEVICE u32 absmax_f16x8(uint4 v, u32 m) {
+    u32 d;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(m), "r"(v.x & 0x7fff7fffu));
+    asm("max.u16x2 %0, %0, %1;" : "+r"(d) : "r"(v.y & 0x7fff7fffu));
+    asm("max.u16x2 %0, %0, %1;" : "+r"(d) : "r"(v.z & 0x7fff7fffu));
+    asm("max.u16x2 %0, %0, %1;" : "+r"(d) : "r"(v.w & 0x7fff7fffu));
+    return d;
+}
+
+// Power-of-two prescale of x for the fp16 half2 chains. A chain sums up to 32 products q x with |q| <= 7
+// (16 per half), so max|x| < 2^8 keeps every partial sum below 65504. Qwen2's massive activations put
+// x at the fp16 limit (65504 after the saturating casts): then x is scaled by 2^-shift (exact, bar the
+// underflow of values 2^24 below the maximum, far under the chain's rounding) and the fp32 totals by
+// 2^shift. Returns shift for the largest |x| bit pattern `m` (0 for ordinary activations).
+NQ_DEVICE int x_prescale_shift(u32 m) {
+    const int e = (int)(m >> 10) - 15;   // unbiased exponent of max|x| (16 for inf/NaN)
+    return e > 6 ? e - 6 : 0;
+}
+
+// fp16x2 with both halves 2^-shift (shift 0..16 stays a normal number).
+NQ_DEVICE f16x2 pow2_neg_f16x2(int shift) { return (u32)(15 - shift) << 10 | (u32)(15 - shift) << 26; }
+
 // Read-only (non-coherent) 2-byte load for the group scales: weights' companions, never written by a kernel.
 NQ_DEVICE f16 ld_nc_f16(const f16* p) {
     f16 v; asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p)); return v;
 }
 
-// Split-K partial sums meet in the fp32 residual: a fire-and-forget reduction (no return value needed).
-NQ_DEVICE void red_add_f32(float* p, float v) {
-    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory");
+// Cluster helpers for the split-K GEMV: the SPLITK CTAs of one row range form a thread-block cluster and
+// meet in distributed shared memory, so partial sums add in a fixed order (fp32 atomics would add them
+// in whatever order the CTAs finish: greedy decoding would not be reproducible).
+NQ_DEVICE void cluster_sync() {   // every thread of every CTA of the cluster; release/acquire on shared memory
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// Load a float from CTA `rank`'s copy of the shared variable at `p` (same offset in every CTA).
+NQ_DEVICE float ld_cluster_f32(const float* p, u32 rank) {
+    u32 local = (u32)__cvta_generic_to_shared(p), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
 }
 
 // Sum each of V per-lane values over aligned groups of LANES lanes with log2(LANES) + V - 1 - log2(V)

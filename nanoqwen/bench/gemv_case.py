@@ -34,7 +34,9 @@ class GemvCase:
     """Device buffers of one (epilogue, norm, out_f16, n, k) variant; any tile spec of that variant runs
     on them (the tuner times many candidates over one case)."""
 
-    def __init__(self, spec: gemv.GemvInt4Spec, rng, copies: int = 1):
+    def __init__(self, spec: gemv.GemvInt4Spec, rng, copies: int = 1, massive: bool = False):
+        """`massive`: plant Qwen2-style massive activations, so that a few inputs sit at the fp16 limit
+        (+-65504 after the saturating casts) and the kernel's fp16 chains must not overflow."""
         self.spec, self.copies = spec, copies
         n, k, g = spec.n, spec.k, spec.group
         self.bufs: list[driver.DeviceBuffer] = []
@@ -50,10 +52,16 @@ class GemvCase:
         if spec.norm:
             h = (rng.standard_normal(k) * 3).astype(np.float32)
             norm_w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
+            if massive:
+                big = rng.choice(k, 4, replace=False)
+                h[big] = rng.choice([-1e5, 1e5], 4)
+                norm_w[big] = 4096.0   # x = f16(h / rms * w) saturates to +-65504
             self.act["h"], self.act["norm_w"] = self._dev(h), self._dev(norm_w)
             x = R.rmsnorm_f16(h, norm_w, spec.eps)
         else:
             x = rng.standard_normal(k).astype(np.float16)
+            if massive:
+                x[rng.choice(k, 4, replace=False)] = rng.choice([-65504.0, 65504.0], 4)
             self.act["x"] = self._dev(x)
         ys = [R.gemv(w, x) for w in mats]
         self.out_dtype = np.float16 if spec.out_f16 else np.float32

@@ -58,6 +58,21 @@ def test_gemv_matches_reference(fns, model, spec, pdl):
     assert err <= TOL, f"{spec.uri}: ||out - ref|| / ||ref|| = {err:.3e} > {TOL}"
 
 
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_massive_activations_stay_finite_and_exact(fns, role):
+    """Inputs at the fp16 limit (Qwen2's massive activations after the saturating casts): a product
+    65504 * 7 alone overflows fp16, so the kernel must prescale x; the output stays finite and within
+    tolerance of the fp32 reference."""
+    spec = gemv.role_spec(role, QWEN25_7B, CFG)
+    case = GemvCase(spec, np.random.default_rng(), massive=True)
+    try:
+        err = case.check(driver.load(codegen.build(spec)), spec)
+    finally:
+        case.free()
+    print(f"{spec.uri} massive: rel err {err:.2e} (tol {TOL:.0e})")
+    assert err <= TOL, f"{spec.uri}: massive activations: rel err {err:.3e} > {TOL}"
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_pdl_chain_in_graph_sees_previous_output(model):
     """o_proj (h += W_o x) then the QKV kernel (RMSNorm prologue reads that h) as two PDL launches in one

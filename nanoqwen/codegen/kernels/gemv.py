@@ -119,8 +119,9 @@ class GemvInt4Spec(KernelSpec):
             raise SpecError(f"{f}.warps must be 1..32, got {self.warps}")
         if self.tiles_per_warp < 1:
             raise SpecError(f"{f}.tiles_per_warp must be >= 1, got {self.tiles_per_warp}")
-        if self.splitk < 1 or self.k % (32 * self.splitk):
-            raise SpecError(f"{f}.splitk={self.splitk} must split k={self.k} into whole 32-input chunks")
+        if not 1 <= self.splitk <= 8 or self.k % (32 * self.splitk):
+            raise SpecError(f"{f}.splitk={self.splitk} must be 1..8 (one cluster) and split k={self.k} into "
+                            f"whole 32-input chunks")
         if self.splitk > 1 and self.epilogue != "residual":
             raise SpecError(f"{f}.splitk > 1 needs the residual epilogue (partials meet in fp32 h)")
         if self.norm and self.splitk != 1:
