@@ -79,3 +79,17 @@ NQ_DEVICE uint4 ld_stream_u4_early(const void* p, u64 policy) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
     return v;
 }
+
+// Activations the previous kernel wrote, read after pdl_wait(): a coherent L2 load (.cg) in volatile asm.
+// Never a `const __restrict__` (.nc) load here: ptxas treats .nc data as invariant for the whole kernel and
+// may hoist the load above griddepcontrol.wait, reading the previous step's values (seen in the SASS).
+NQ_DEVICE uint4 ld_act_u4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+NQ_DEVICE float4 ld_act_f4(const float* p) {
+    const uint4 v = ld_act_u4(p);
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}

@@ -44,7 +44,7 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
         stage "$f" "${GPU_CHECK_TEST_TIMEOUT:-240}" $PY -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
             > /tmp/gpu_check_last.log 2>&1
         cat /tmp/gpu_check_last.log >> "$OUT/pytest.log"
-        grep -E "passed|failed|error|FAILED|ERROR|^== " /tmp/gpu_check_last.log | tail -30
+        grep -a -E "passed|failed|error|FAILED|ERROR|^== " /tmp/gpu_check_last.log | tail -30
     done
 fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
@@ -54,5 +54,5 @@ fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
 [ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 300 $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b.json" --plot "$OUT/itl.png"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
-grep -E "^== " "$LOG"
+grep -a -E "^== " "$LOG"
 exit $status

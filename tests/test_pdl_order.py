@@ -1,0 +1,46 @@
+"""Programmatic Dependent Launch ordering, read off the SASS (no GPU): a decode kernel may load weights
+before griddepcontrol.wait (SASS ACQBULK) but nothing the previous kernel wrote. ptxas treats `.nc` data
+as invariant for the whole kernel and has been seen hoisting such a load above the wait (the QKV GEMV read
+a stale residual; H200, 2026-12-02), so activations are read with coherent loads that must stay below it.
+
+- kernels without weights (rope_append, attention, embed): no global load at all before the wait;
+- GEMVs: the activation loads (ld_act_*: LDG...STRONG) all after the wait, weight loads (.nc) may precede it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nanoqwen import codegen, config
+from nanoqwen.codegen import resources
+from nanoqwen.codegen.kernels import attention, embed, gemv
+from nanoqwen.dims import QWEN25_7B
+
+CFG = config.default()
+NO_WEIGHTS = [*attention.decode_specs(QWEN25_7B, CFG), embed.specs_for_model(QWEN25_7B, CFG)[0]]
+GEMVS = [gemv.role_spec(role, QWEN25_7B, CFG) for role in gemv.ROLES]
+
+
+def _before_wait(spec) -> list[str]:
+    if resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install '.[tools]'): cannot read SASS")
+    lines = [ln for ln in resources.sass(codegen.build(spec).cubin).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    waits = [i for i, ln in enumerate(lines) if "ACQBULK" in ln]
+    assert waits, f"{spec.uri}: no griddepcontrol.wait in the SASS"
+    return lines[:waits[0]]
+
+
+@pytest.mark.parametrize("spec", NO_WEIGHTS, ids=lambda s: s.uri)
+def test_no_global_load_before_the_wait(spec):
+    early = [ln.strip() for ln in _before_wait(spec) if re.search(r"\bLDG\b|\bLDG\.", ln)]
+    assert not early, f"{spec.uri}: global loads before griddepcontrol.wait: {early[:4]}"
+
+
+@pytest.mark.parametrize("spec", GEMVS, ids=lambda s: s.uri)
+def test_gemv_activations_after_the_wait(spec):
+    early = _before_wait(spec)
+    assert any("LDG.E.NA.128.CONSTANT" in ln for ln in early), f"{spec.uri}: no weight load issued before the wait"
+    strong = [ln.strip() for ln in early if "LDG" in ln and "STRONG" in ln]
+    assert not strong, f"{spec.uri}: activation loads before griddepcontrol.wait: {strong[:4]}"
