@@ -99,6 +99,16 @@ class GemvInt4:
 
 
 @dataclass(frozen=True)
+class Prefill:
+    chunk_tokens: int
+
+    def __post_init__(self):
+        # the prefill kernels' grids cover 1..4096 rows per launch (codegen/kernels/gemm.py: max_m)
+        if not 1 <= self.chunk_tokens <= 4096:
+            raise ConfigError(f"prefill.chunk_tokens must be in 1..4096, got {self.chunk_tokens}")
+
+
+@dataclass(frozen=True)
 class Codegen:
     arch: str
     nvrtc_options: tuple[str, ...]
@@ -134,6 +144,7 @@ class Config:
     embed: Embed
     lm_head: LmHead
     gemv_int4: GemvInt4
+    prefill: Prefill
     codegen: Codegen
     bench: Bench
     validation: Validation

@@ -16,10 +16,11 @@ Launch, so each one streams its weights while its predecessor drains.
 
 Host side (``generate``): greedy runs ``ahead`` steps in front of the token the host is reading. After
 each step a 4-byte copy moves ``tokens_out[step]`` into pinned memory and records an event; the host
-only waits on the event of the oldest token it wants, never to decide what to launch next. A prompt is
-fed through the same step (runtime/prefill.py) with its tokens copied into ``state[0]`` before each
-step. Sampling (temperature > 0) needs the host in the loop by nature: the step also writes fp32
-logits, which are downloaded, sampled from, and the choice copied into ``state[0]`` for the next step."""
+only waits on the event of the oldest token it wants, never to decide what to launch next. The prompt
+goes through ``prefill`` (runtime/prefill.py: the chunked tensor-core Prefiller, or ``by_steps``
+through this step), which leaves the state and tokens_out[P - 1] where P steps would. Sampling
+(temperature > 0) needs the host in the loop by nature: the step also writes fp32 logits, which are
+downloaded, sampled from, and the choice copied into ``state[0]`` for the next step."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ..codegen.kernels import attention, embed, gemv, lm_head
 from ..tuning import tuned
 from . import driver
 from .driver import check, cu
-from .prefill import prefill
+from .prefill import by_steps
 from .sampler import HostSampler, Sampling
 
 WAIT_TIMEOUT_S = 120.0  # no decode step takes near this long; a hung kernel becomes an error, not a hang
@@ -74,12 +75,13 @@ class Decoder:
     """``kernels`` maps each role of ``step_specs`` to ``(spec, Function)``; ``weights`` is a
     runtime.weights.Weights, ``kv`` a runtime.paged_kv.PagedKVCache of ``capacity`` tokens (generate
     reserves each request's pages); ``rope`` the (cos, sin) fp32 tables of reference.rope_tables for
-    ``capacity`` positions."""
+    ``capacity`` positions; ``prefill(decoder, prompt, read_token, read_logits) -> P`` runs the prompt
+    (runtime/prefill.py)."""
 
     def __init__(self, dims, weights, kv, kernels: dict, rope, capacity: int, graphs: bool = True,
-                 pdl: bool = True, ahead: int = 8):
+                 pdl: bool = True, ahead: int = 8, prefill=by_steps):
         self.dims, self.weights, self.kv, self.kernels = dims, weights, kv, kernels
-        self.capacity, self.graphs, self.pdl, self.ahead = capacity, graphs, pdl, ahead
+        self.capacity, self.graphs, self.pdl, self.ahead, self.prefill = capacity, graphs, pdl, ahead, prefill
         d = dims
         acc_bytes, ml_bytes = attention.partial_bytes(kernels["attention_decode"][0])
         B = driver.DeviceBuffer
@@ -146,6 +148,13 @@ class Decoder:
         for role, fn, launch, args in self.sequence:
             fn.launch(launch, stream, self.pdl, **args)
 
+    def launch_lm_head(self, h: int) -> None:
+        """The step's last kernel alone on another fp32 row ``h`` (prefill's last prompt position): argmax,
+        logits and the state advance exactly as in a step."""
+        role, fn, launch, args = self.sequence[-1]
+        assert role == "lm_head", role
+        fn.launch(launch, self.stream, self.pdl, **{**args, "h": h})
+
     def capture(self) -> None:
         """Record the step once. Run one eager step first: it loads every module and lets any lazy
         driver work happen outside the capture."""
@@ -165,6 +174,12 @@ class Decoder:
             self.graph.launch(self.stream)
         else:
             self.launch_kernels(self.stream)
+        self.read_back(i, read_token, read_logits)
+
+    def read_back(self, i: int, read_token: bool = False, read_logits: bool = False) -> None:
+        """After step ``i``: optionally copy its token (pinned slot i) or its logits out, then record the
+        step's event."""
+        s = self.stream.handle
         if read_token:
             check(cu.cuMemcpyDtoHAsync(self.host_out.ptr + 4 * i, self.tokens_out.ptr + 4 * i, 4, s), "read token")
         if read_logits:
@@ -207,11 +222,13 @@ class Decoder:
             ev.close()
 
     def warm_up(self) -> None:
-        """One eager step on a dummy token (loads modules, touches every buffer), then the capture."""
+        """One eager step and one prefill on a dummy token (loads modules, touches every buffer), then
+        the capture."""
         self.kv.release()
         self.kv.reserve(1)
         self.reset(0)
         self.launch_kernels()
+        self.prefill(self, [0])
         self.check_errors()
         if self.graphs:
             self.capture()
@@ -236,11 +253,10 @@ class Decoder:
                                 f"decoder holds {self.capacity}")
         self.kv.release()
         self.kv.reserve(total)   # every page the request will write, before any step is enqueued
-        self.reset(prompt[0])
         clean = False   # check the kernels' error flags only when no other error is on its way out
         try:
+            launched = self.prefill(self, prompt, read_token=sampling.greedy, read_logits=not sampling.greedy)
             if sampling.greedy:
-                launched = prefill(self, prompt)
                 for k in range(P - 1, total):
                     while launched < min(total, k + 1 + self.ahead):
                         self.step(launched, read_token=True)
@@ -248,11 +264,10 @@ class Decoder:
                     self.wait_step(k)
                     yield int(self.tok_out[k])
             else:
-                sample = HostSampler(sampling)
-                prefill(self, prompt[:-1], read_last=False)
-                tok = prompt[-1]
-                for k in range(P - 1, total):
-                    self.step(k, feed=tok if k > 0 else None, read_logits=True)
+                sample, tok = HostSampler(sampling), None
+                for k in range(P - 1, total):   # step P - 1 is prefill's: its logits are already on the way
+                    if k >= launched:
+                        self.step(k, feed=tok, read_logits=True)
                     self.wait_step(k)
                     tok = sample(self.host_logits.array(np.float32))
                     yield tok

@@ -1,8 +1,10 @@
 """The CUDA engine: one model on one GPU, ready to generate. Start-up in the order that fails fastest:
 open and validate the file, check the device and that everything fits in its free memory (one line
 naming the bytes), build (or fetch from the cache) every kernel of the decode step, upload the weights
-once, allocate the KV cache, then warm up one eager step and capture the step graph. Reports load time,
-compile time and cache hits like gpt-fast."""
+once, allocate the KV cache, then warm up one eager step and one prefill and capture the step graph.
+Reports load time, compile time and cache hits like gpt-fast. ``prefill="chunked"`` (the default) runs
+prompts through the tensor-core prefill in chunks of ``prefill.chunk_tokens``; ``prefill="decode"`` feeds
+them token by token through the decode step (a debugging baseline, bit-identical to teacher forcing)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from . import driver
 from .decoder import Decoder, step_specs
 from .generate import check_request
 from .paged_kv import KVLayout, PagedKVCache
+from .prefill import Prefiller, by_steps, prefill_specs, buffer_bytes as prefill_bytes
 from .sampler import Sampling
 from .weights import Weights, plan
 
 GiB = 2**30
+PREFILL_MODES = ("chunked", "decode")
 
 
 class DeviceError(NanoqwenError):
@@ -38,8 +42,10 @@ def scratch_bytes(dims, capacity: int) -> int:
 
 class CudaSession:
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
-                 cfg: config.Config | None = None, ahead: int = 8):
+                 cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked"):
         cfg = cfg or config.default()
+        if prefill not in PREFILL_MODES:
+            raise NanoqwenError(f"prefill mode must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         t0 = time.perf_counter()
         f = NanoqwenFile(path, cfg)
         self.dims = d = f.dims
@@ -51,12 +57,14 @@ class CudaSession:
         layout = KVLayout.for_model(d, cfg, context)
         self.context = layout.capacity_tokens
         w_bytes, kv_bytes = plan(f).nbytes, layout.total_bytes
-        need = w_bytes + kv_bytes + scratch_bytes(d, self.context)
+        chunked, chunk = prefill == "chunked", min(cfg.prefill.chunk_tokens, self.context)
+        acts = scratch_bytes(d, self.context) + (prefill_bytes(d, chunk, self.context) if chunked else 0)
+        need = w_bytes + kv_bytes + acts
         if need > props.free_mem:
             raise DeviceError(f"not enough GPU memory: {need / GiB:.2f} GiB needed (weights {w_bytes / GiB:.2f}, "
                               f"KV cache for {self.context} tokens {kv_bytes / GiB:.2f}), {props.free_mem / GiB:.2f} "
                               f"GiB free of {props.total_mem / GiB:.2f} on {props.name}")
-        specs = step_specs(d, cfg, props.name)
+        specs = step_specs(d, cfg, props.name) | (prefill_specs(d, cfg) if chunked else {})
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
         kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
@@ -65,10 +73,11 @@ class CudaSession:
         self.weights = Weights(f, progress=bar)
         bar.close()
         self.kv = PagedKVCache(layout)
+        self.prefiller = Prefiller(d, kernels, chunk, self.context) if chunked else None
         self.decoder = Decoder(d, self.weights, self.kv, kernels, rope_tables(d, self.context), self.context,
-                               graphs=not eager, ahead=ahead)
+                               graphs=not eager, ahead=ahead, prefill=self.prefiller or by_steps)
         self.decoder.warm_up()
-        self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}"
+        self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
         # weight bytes one token streams (the embedding table is read one row at a time unless tied)
         self.bytes_per_token = w_bytes - (0 if d.tie_embeddings else self.weights.plan.regions["embed"].nbytes)
         log(f"loaded {f.path.name} in {time.perf_counter() - t0:.1f} s: {len(specs)} kernels "
@@ -82,5 +91,7 @@ class CudaSession:
     def close(self) -> None:
         """Give the GPU memory back (tests open several sessions in one process)."""
         self.decoder.close()
+        if self.prefiller is not None:
+            self.prefiller.close()
         self.kv.free()
         self.weights.buffer.free()

@@ -33,6 +33,7 @@ FAMILIES: dict[str, str] = {
     "rope_append_prefill": "attention_prefill:RopeAppendPrefillSpec",
     "attention_prefill": "attention_prefill:AttentionPrefillSpec",
     "embed": "embed:EmbedSpec",
+    "embed_prefill": "embed_prefill:EmbedPrefillSpec",
     "lm_head_argmax": "lm_head:LmHeadArgmaxSpec",
 }
 

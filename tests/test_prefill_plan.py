@@ -1,0 +1,200 @@
+"""CPU checks of the chunked prefill's wiring, no GPU (the fakes of tests/test_decoder_plan.py): chunk
+planning, buffer sizing against what the kernels write, the launch sequence of every chunk against each
+kernel's signature and grid (every pointer inside the buffer or weight region it names, every row range
+inside its buffer), the device state handed to the lm_head, and Decoder.generate's host logic over a
+prefill that is not the decode step."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile  # noqa: F401
+from test_pdl_order import _before_wait
+
+from nanoqwen import config
+from nanoqwen.codegen.kernels import gemm
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.reference import Reference
+from nanoqwen.runtime import decoder as decoder_mod
+from nanoqwen.runtime import prefill as prefill_mod
+from nanoqwen.runtime.paged_kv import KVLayout
+from nanoqwen.runtime.sampler import HostSampler, Sampling
+
+PER_LAYER = ["rmsnorm", "qkv", "rope_append", "attention", "o_proj", "rmsnorm", "gate_up", "down"]
+# prefill kernels without weights: under PDL nothing global may be read before griddepcontrol.wait (the
+# GEMMs' weight prefetch before it is by design; their X copies come after it in the source)
+NO_WEIGHTS = {role: spec for role, spec in prefill_mod.prefill_specs(QWEN25_7B, config.default()).items()
+              if role.removeprefix("prefill.") not in gemm.model_gemms(QWEN25_7B)}
+
+
+@pytest.mark.parametrize("P", [1, 15, 16, 17, 100, 511, 512, 513, 600, 1024, 1025])
+@pytest.mark.parametrize("C", [1, 16, 100, 512])
+def test_chunks_cover_the_prompt(P, C):
+    plan = prefill_mod.chunks(P, C)
+    assert [p0 for p0, _ in plan] == list(range(0, P, C))
+    assert sum(n for _, n in plan) == P and all(1 <= n <= C for _, n in plan)
+    assert all(n == C for _, n in plan[:-1])
+
+
+def test_chunks_reject_empty():
+    with pytest.raises(ValueError):
+        prefill_mod.chunks(0, 512)
+
+
+def test_buffer_sizes_match_the_kernels():
+    """Each chunk buffer has the columns its producer writes and its consumer reads; 7B at 512 tokens."""
+    d, C = QWEN25_7B, 512
+    shapes = prefill_mod.buffer_shapes(d, C)
+    g = gemm.model_gemms(d)
+    assert shapes["qkv"][0] == (C, g["qkv"].n) and shapes["xn"][0] == (C, g["qkv"].k) == (C, g["gate_up"].k)
+    assert shapes["a16"][0] == (C, g["gate_up"].n // 2) == (C, g["down"].k)
+    assert shapes["o16"][0] == (C, g["o_proj"].k) and shapes["h"][0] == (C, g["down"].n) == (C, g["o_proj"].n)
+    acts = 4 * C * (d.hidden + d.q_dim + 2 * d.kv_dim + d.q_dim) + 2 * C * (d.hidden + d.q_dim + d.intermediate)
+    assert acts == 50_855_936   # 48.5 MiB of activations for 512-token chunks of the 7B
+    assert prefill_mod.buffer_bytes(d, C, 4096) == acts + 4 * 4096
+
+
+@pytest.mark.parametrize("role", NO_WEIGHTS)
+def test_no_global_load_before_the_wait(role):
+    spec = NO_WEIGHTS[role]
+    early = [ln.strip() for ln in _before_wait(spec) if re.search(r"\bLDG\b|\bLDG\.|LDGSTS", ln)]
+    assert not early, f"{spec.uri}: global loads before griddepcontrol.wait: {early[:4]}"
+
+
+class RecFn:
+    """A kernel that only records its launches."""
+
+    def __init__(self, role, log):
+        self.role, self.log = role, log
+
+    def launch(self, launch, stream=None, pdl=False, **args):
+        self.log.append((self.role, launch, pdl, args))
+
+
+def fake_engine(nqfile, monkeypatch, chunk, capacity=700):
+    cfg = config.default()
+    d = nqfile.dims
+    for mod in (decoder_mod, prefill_mod):
+        monkeypatch.setattr(mod, "driver", FakeDriver)
+        monkeypatch.setattr(mod, "cu", FakeCu)
+    log = []
+    specs = decoder_mod.step_specs(d, cfg) | prefill_mod.prefill_specs(d, cfg)
+    kernels = {role: (spec, RecFn(role, log)) for role, spec in specs.items()}
+    layout = KVLayout.for_model(d, cfg, capacity)
+    w, kv = FakeWeights(nqfile), FakeKV(layout)
+    rope = (np.zeros((capacity, d.head_dim // 2), np.float32),) * 2
+    pre = prefill_mod.Prefiller(d, kernels, chunk, capacity)
+    dec = decoder_mod.Decoder(d, w, kv, kernels, rope, capacity, prefill=pre)
+    return dec, pre, w, kv, kernels, log
+
+
+def inside(ptr: int, nbytes: int) -> bool:
+    return any(b.ptr <= ptr and ptr + nbytes <= b.ptr + b.nbytes for b in MEM)
+
+
+@pytest.mark.parametrize("P,C", [(1, 512), (17, 16), (100, 512), (100, 32), (600, 512)])
+def test_prefill_launch_sequence(nqfile, monkeypatch, P, C):
+    d = nqfile.dims
+    dec, pre, w, kv, kernels, log = fake_engine(nqfile, monkeypatch, C)
+    prompt = ((np.arange(P) * 37 + 5) % d.vocab).tolist()
+    dec.argmax_done.mem.view(np.uint32)[:] = 7
+    assert pre(dec, prompt, read_token=True) == P
+    plan = prefill_mod.chunks(P, C)
+
+    # device state as the lm_head finds it: "step P - 1" at position P - 1; the prompt ids uploaded once
+    assert dec.state.mem.view(np.int32).tolist() == [prompt[-1], P - 1, P - 1, 0]
+    assert pre.tokens.mem.view(np.int32)[:P].tolist() == prompt
+    assert int(dec.argmax_done.mem.view(np.uint32)[0]) == 0
+
+    roles = [r for r, *_ in log]
+    assert roles == (["prefill.embed"] + ["prefill." + r for r in PER_LAYER] * d.layers) * len(plan) + ["lm_head"]
+    b, hid = pre.bufs, d.hidden
+    k = 0
+    for p0, n in plan:
+        for role, launch, pdl, args in log[k:k + 1 + len(PER_LAYER) * d.layers]:
+            spec = kernels[role][0]
+            assert pdl, f"{role} launched without PDL"
+            assert launch == spec.launch(n), f"{role}: grid {launch} for a chunk of {n}"
+            assert set(args) == {name for name, _ in spec.signature}, role
+            for name, kind in spec.signature:
+                v = args[name]
+                if kind == "ptr" and v != 0:
+                    assert inside(int(v.ptr if isinstance(v, FakeBuf) else v), 1), f"{role}.{name} points nowhere"
+            for name in ("p0", "n", "m"):
+                if name in args:
+                    assert args[name] == (p0 if name == "p0" else n), f"{role}.{name}"
+        emb = log[k][3]
+        assert emb["tokens"] == pre.tokens.ptr + 4 * p0 and inside(emb["tokens"], 4 * n)
+        assert emb["h"] is b["h"] and emb["embed"] == w.ptr("embed")
+        for i in range(d.layers):
+            L = f"L{i}."
+            layer = dict(zip(PER_LAYER[:5] + ["post_norm"] + PER_LAYER[6:],
+                             (a for *_, a in log[k + 1 + 8 * i:k + 9 + 8 * i])))
+            assert layer["rmsnorm"]["w"] == w.ptr(L + "input_norm")
+            assert layer["post_norm"]["w"] == w.ptr(L + "post_norm")
+            assert (layer["qkv"]["w"], layer["qkv"]["s"], layer["qkv"]["bias"]) == \
+                (w.ptr(L + "qkv.packed"), w.ptr(L + "qkv.scales"), w.ptr(L + "qkv.bias"))
+            gu = layer["gate_up"]
+            assert (gu["w"], gu["s"], gu["w2"], gu["s2"]) == (w.ptr(L + "gate.packed"), w.ptr(L + "gate.scales"),
+                                                               w.ptr(L + "up.packed"), w.ptr(L + "up.scales"))
+            assert layer["down"]["w"] == w.ptr(L + "down.packed") and layer["o_proj"]["w"] == w.ptr(L + "o.packed")
+            for role in ("rope_append", "attention"):
+                assert (layer[role]["k_pool"], layer[role]["v_pool"]) == (kv.k_ptr(i), kv.v_ptr(i))
+            # the chain: residual h in, the GEMMs' X from the previous kernel's output, h += by o_proj and down
+            assert layer["qkv"]["x"] is b["xn"] and layer["qkv"]["y"] is b["qkv"] and layer["o_proj"]["x"] is b["o16"]
+            assert layer["gate_up"]["x"] is b["xn"] and layer["gate_up"]["y"] is b["a16"]
+            assert layer["down"]["x"] is b["a16"] and layer["o_proj"]["y"] is layer["down"]["y"] is b["h"]
+            assert layer["attention"]["o16"] is b["o16"] and layer["rope_append"]["q_rot"] is b["q_rot"]
+        k += 1 + 8 * d.layers
+    # the lm_head on the last prompt row (decode step's argmax/state advance), row inside the chunk buffer
+    role, launch, pdl, args = log[-1]
+    want = dict(dec.sequence[-1][3], h=b["h"].ptr + 4 * hid * (P - 1 - plan[-1][0]))
+    assert args == want and launch == kernels["lm_head"][0].launch()
+    assert inside(args["h"], 4 * hid) and args["h"] + 4 * hid <= b["h"].ptr + 4 * hid * plan[-1][1]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
+def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
+    """Decoder.generate with a prefill that is not the decode step: a fake one that does what the
+    Prefiller's kernels do to the device (state (token, P, P), tokens_out[P - 1], logits) with the
+    reference's batched prefill; the decode steps are the reference's decode. Tokens must be the
+    reference's own generation, and the decode steps must be fed the generated tokens only."""
+    dec, pre, *_ = fake_engine(nqfile, monkeypatch, 512)
+    ref = Reference.from_file(nqfile, max_seq=100)
+    fed = []
+
+    def prefill(d, prompt, read_token=False, read_logits=False):
+        logits = ref.prefill(prompt)[-1]
+        tok = int(np.argmax(logits))
+        d.logits.mem.view(np.float32)[:] = logits
+        d.tokens_out.mem.view(np.int32)[len(prompt) - 1] = tok
+        d.state.mem.view(np.int32)[:] = (tok, len(prompt), len(prompt), 0)
+        d.read_back(len(prompt) - 1, read_token, read_logits)
+        return len(prompt)
+
+    def step(stream=None):
+        state = dec.state.mem.view(np.int32)
+        tok, pos, k = (int(x) for x in state[:3])
+        assert pos == ref.pos == k, f"device state {state[:3]} vs reference position {ref.pos}"
+        logits = ref.decode(tok)
+        dec.logits.mem.view(np.float32)[:] = logits
+        dec.tokens_out.mem.view(np.int32)[k] = int(np.argmax(logits))
+        state[:3] = (int(np.argmax(logits)), pos + 1, k + 1)
+        fed.append(tok)
+
+    monkeypatch.setattr(dec, "prefill", prefill)
+    monkeypatch.setattr(dec, "launch_kernels", step)
+    prompt = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for n in (1, 2, 12):
+        fed.clear()
+        got = list(dec.generate(prompt, n, sampling))
+        logits = ref.prefill(prompt)[-1]
+        sample, want = HostSampler(sampling), []
+        for i in range(n):
+            want.append(sample(logits))
+            if i + 1 < n:
+                logits = ref.decode(want[-1])
+        assert got == want
+        assert fed == want[:-1], "the decode steps were fed something other than the generated tokens"
