@@ -28,6 +28,23 @@ def gpu_available() -> bool:
     return err == driver.CUresult.CUDA_SUCCESS and n > 0
 
 
+@pytest.fixture(scope="session")
+def fresh_build(tmp_path_factory):
+    """`build_many(specs, **kw)` into a fresh kernel cache, JIT enabled: CI really compiles every kernel it
+    checks (a warm ~/.cache/nanoqwen would hide a template that no longer compiles)."""
+    from nanoqwen import codegen
+
+    def build(specs, **kw):
+        mp = pytest.MonkeyPatch()
+        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
+        try:
+            return codegen.build_many(specs, **kw)
+        finally:
+            mp.undo()
+    return build
+
+
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return

@@ -34,14 +34,8 @@ VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("attention-cache")))
-    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
-    try:
-        yield {b.spec: b for b in codegen.build_many(VARIANTS)}
-    finally:
-        mp.undo()
+def built(fresh_build):
+    return {b.spec: b for b in fresh_build(VARIANTS)}
 
 
 @pytest.mark.parametrize("spec", VARIANTS, ids=[s.uri for s in VARIANTS])

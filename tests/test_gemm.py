@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from nanoqwen import codegen, config
+from nanoqwen import config
 from nanoqwen.codegen import resources
 from nanoqwen.codegen.kernels import attention_prefill as AP
 from nanoqwen.codegen.kernels import gemm as G
@@ -39,14 +39,8 @@ TENSOR_CORE = ("gemm_int4", "attention_prefill")
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("prefill-cache")))
-    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
-    try:
-        yield {b.spec: b for b in codegen.build_many(SPECS)}
-    finally:
-        mp.undo()
+def built(fresh_build):
+    return {b.spec: b for b in fresh_build(SPECS)}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])

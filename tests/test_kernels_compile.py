@@ -32,21 +32,15 @@ CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory):
+def built(fresh_build):
     """{uri: Built} for every kernel of every model, compiled in parallel into a fresh cache."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
-    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
-    try:
-        specs = [s for _, s in CASES]
-        t0 = time.perf_counter()
-        results = codegen.build_many(specs, progress=codegen.ProgressLine(), return_exceptions=True)
-        seconds = time.perf_counter() - t0
-        print(f"\nbuilt {len(set(specs))} kernels in {seconds:.1f} s on {os.cpu_count()} cores "
-              f"(NVRTC {codegen.nvrtc.version()}; compile {cache.STATS.compile_s:.1f} s summed over workers)")
-        yield {s.uri: b for s, b in zip(specs, results)}
-    finally:
-        mp.undo()
+    specs = [s for _, s in CASES]
+    t0 = time.perf_counter()
+    results = fresh_build(specs, progress=codegen.ProgressLine(), return_exceptions=True)
+    seconds = time.perf_counter() - t0
+    print(f"\nbuilt {len(set(specs))} kernels in {seconds:.1f} s on {os.cpu_count()} cores "
+          f"(NVRTC {codegen.nvrtc.version()}; compile {cache.STATS.compile_s:.1f} s summed over workers)")
+    return {s.uri: b for s, b in zip(specs, results)}
 
 
 def test_every_model_family_contributes():

@@ -34,15 +34,9 @@ LDG128 = re.compile(r"\bLDG\.E(?:\.\w+)*\.128\b")
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("lm-head-cache")))
-    mp.delenv("NANOQWEN_DISABLE_JIT", raising=False)
-    try:
-        specs = [*LM_CASES.values(), *EMBED_CASES.values()]
-        yield dict(zip(specs, codegen.build_many(specs)))
-    finally:
-        mp.undo()
+def built(fresh_build):
+    specs = [*LM_CASES.values(), *EMBED_CASES.values()]
+    return dict(zip(specs, fresh_build(specs)))
 
 
 def _sass_ops(cubin: bytes) -> list[str]:

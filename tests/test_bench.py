@@ -1,0 +1,431 @@
+"""`nanoqwen bench` on the CPU: the byte budget per region (DESIGN.md section 5: ~4.46 GB per 7B token at
+small context, 3.37 GB INT4 + 1.09 GB lm_head), the llama-bench table and JSON, MBU arithmetic, the
+region grouping of the ITL breakdown, the README table renderer, and the CLI's argument errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from nanoqwen.bench import itl, mbu, protocol
+from nanoqwen.cli.main import main
+from nanoqwen.cli.pack import RANDOM_DIMS
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.nqfile import NanoqwenFile
+from nanoqwen.pack import pack_random
+from nanoqwen import ROOT
+
+from conftest import gpu_available
+
+spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+results_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(results_table)
+
+D = QWEN25_7B
+
+
+# ---- byte budget ------------------------------------------------------------------------------------
+
+def test_7b_bytes_per_token_match_the_design_budget():
+    rb = mbu.region_bytes(D, context=64)
+    assert list(rb) == list(mbu.REGIONS)
+    int4_params = D.layers * (D.hidden * (D.q_dim + 2 * D.kv_dim) + D.q_dim * D.hidden
+                              + 3 * D.hidden * D.intermediate)
+    int4 = sum(rb[r]["weights"] for r in mbu.GEMV_REGION.values())
+    assert int4 == int4_params * (0.5 + 2 / 128)          # packed nibbles + one fp16 scale per 128
+    assert abs(int4 - 3.37e9) < 0.01e9
+    assert rb["lm_head_argmax"]["weights"] == D.vocab * D.hidden * 2
+    assert abs(rb["lm_head_argmax"]["weights"] - 1.09e9) < 0.01e9
+    total = mbu.step_bytes(D, 64)
+    assert total == sum(r["total"] for r in rb.values())
+    assert abs(total - 4.46e9) / 4.46e9 < 0.005, total
+    for r in rb.values():
+        assert r["total"] == r["weights"] + r["kv"] + r["activations"] and r["total"] > 0
+
+
+def test_kv_bytes_grow_with_context_only_in_attention():
+    a, b = mbu.region_bytes(D, 512), mbu.region_bytes(D, 4096)
+    per_token = D.layers * 2 * D.kv_dim * 2                   # K and V, fp16, every layer
+    pages = D.layers * 4 * (4096 // 16 - 512 // 16)
+    assert b["paged_attention"]["kv"] - a["paged_attention"]["kv"] == per_token * (4096 - 512) + pages
+    assert all(a[r] == b[r] for r in mbu.REGIONS if r != "paged_attention")
+    assert abs(mbu.step_bytes(D, 4096) - 4.46e9 - per_token * 4096) / 4.7e9 < 0.005   # still "small" at 4k
+
+
+def test_floor_and_mbu_arithmetic():
+    assert mbu.floor_ms(4.22e9, 4220.0) == pytest.approx(1.0)
+    assert mbu.mbu(4.22e9, 2e-3, 4220.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        mbu.region_bytes(D, 0)
+
+
+# ---- region grouping ---------------------------------------------------------------------------------
+
+def fake_sequence(layers: int = 2):
+    roles = ["embed"] + ["qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up",
+                         "down"] * layers + ["lm_head"]
+    return [(r, None, None, {}) for r in roles]
+
+
+def test_groups_merge_decode_and_combine_and_follow_launch_order():
+    seq = fake_sequence(2)
+    groups = itl._groups(seq, per_launch=False)
+    names = [g for g, _ in groups]
+    assert names == ["embed"] + ["qkv_gemv", "rope_append", "paged_attention", "o_proj", "gate_up_gemv",
+                                 "down"] * 2 + ["lm_head_argmax"]
+    assert [i for _, idx in groups for i in idx] == list(range(len(seq)))   # every launch exactly once
+    assert groups[3][1] == [3, 4]                                           # decode + combine
+    per = itl._groups(seq, per_launch=True)
+    assert [idx for _, idx in per] == [[i] for i in range(len(seq))]
+
+
+# ---- table and JSON ----------------------------------------------------------------------------------
+
+def fake_result(synthetic: bool = True) -> dict:
+    rng = np.random.default_rng()
+    P, G = 512, 128
+    info = {"path": "/cache/model.nanoqwen", "synthetic": synthetic, "n_params": 7_615_616_512,
+            "size_bytes": 4_600_000_000, "dims": D.to_dict(),
+            "label": "qwen2 7.6B INT4-g128" + (" (synthetic: random weights)" if synthetic else "")}
+    common = {"model_filename": info["path"], "model_type": info["label"], "model_size": info["size_bytes"],
+              "model_n_params": info["n_params"], "backends": "CUDA (cuda NVIDIA H200, graph)",
+              "gpu_info": "NVIDIA H200", "build_commit": "abc1234", "n_batch": 1, "test_time": "2026-12-02"}
+    ttft = list(0.05 + 0.01 * rng.random(5))
+    tg = list(0.2 + 0.01 * rng.random(5))
+    regions = {r: 0.01 + 0.1 * rng.random() for r in mbu.REGIONS}
+    total = sum(regions.values())
+    res = {"kind": "nanoqwen-bench", "schema": protocol.SCHEMA, "commit": "abc1234", "config_hash": "0" * 16,
+           "date": "2026-12-02T14:00:00+00:00", "model": info,
+           "gpu": {"name": "NVIDIA H200", "driver_version": 13000, "lock_clocks": False, "clocks_before": {}},
+           "tests": [protocol.test_record(f"pp{P}", P, 0, 0, ttft, P, common),
+                     protocol.test_record(f"tg{G}", 0, G, P, tg, G, common)],
+           "latency": {"ttft_ms": {"median": 55.0, "min": 50.0, "max": 60.0},
+                       "ms_per_token": {"p50": 1.6, "p90": 1.7, "mean": 1.62, "min": 1.5, "max": 1.9, "n": 640}},
+           "itl": {"context": P + G // 2, "reps": 20, "gated": True, "gate_timed_out": False,
+                   "regions_ms": regions, "regions_sum_ms": total, "eager_step_ms": total * 1.05,
+                   "eager_step_ms_min": total, "graph_step_ms": total * 1.1, "kernel_gap_ms": total * 0.1,
+                   "launches": 198},
+           "copy": {"GBps": 4220.0}}
+    res["mbu"] = protocol.mbu_report(D, None, res)
+    return res
+
+
+def test_record_uses_llama_bench_fields():
+    t = fake_result()["tests"][1]
+    for key in ("model_filename", "model_type", "model_size", "model_n_params", "backends", "gpu_info",
+                "build_commit", "n_batch", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns",
+                "avg_ts", "stddev_ts", "samples_ns", "samples_ts"):
+        assert key in t, key
+    assert t["samples_ts"] == pytest.approx([128 / (ns * 1e-9) for ns in t["samples_ns"]])
+    assert t["avg_ts"] == pytest.approx(np.mean(t["samples_ts"]))
+    assert t["stddev_ts"] == pytest.approx(np.std(t["samples_ts"], ddof=1))
+
+
+def test_table_is_llama_bench_like_and_labels_synthetic():
+    res = fake_result()
+    text = protocol.table(res)
+    lines = text.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["model", "size", "params", "backend", "test", "t/s"]
+    pp, tg = lines[2], lines[3]
+    assert "pp512" in pp and "tg128 @ d512" in tg and "±" in pp and "GiB" in pp and "7.62 B" in pp
+    assert f"{res['tests'][0]['avg_ts']:.2f} ± {res['tests'][0]['stddev_ts']:.2f}" in pp
+    assert "synthetic" in text and "TTFT 55.0 ms" in text and "p50 1.600" in text and "p90 1.700" in text
+    for r in (*mbu.REGIONS, "kernel_gap", "graph step", "eager step", "floor"):
+        assert r in text, r
+    assert "synthetic" not in protocol.table(fake_result(synthetic=False))
+
+
+def test_mbu_report_divides_region_bytes_by_region_time():
+    res = fake_result()
+    mb = res["mbu"]
+    rb = mbu.region_bytes(D, res["itl"]["context"])
+    for r in mbu.REGIONS:
+        want = rb[r]["total"] / (res["itl"]["regions_ms"][r] * 1e-3) / 4220e9
+        assert mb["regions"][r]["mbu"] == pytest.approx(want)
+    step = mbu.step_bytes(D, res["itl"]["context"])
+    assert mb["bytes_per_token"] == step
+    assert mb["decode_mbu"] == pytest.approx(step / 1.62e-3 / 4220e9)
+    assert mb["floor_ms_per_token"] == pytest.approx(step / 4220e9 * 1e3)
+
+
+def test_json_roundtrip(tmp_path):
+    res = fake_result()
+    out = tmp_path / "sub" / "r.json"
+    protocol.write_json(res, out)
+    back = json.loads(out.read_text())
+    assert back == json.loads(json.dumps(res)) and not list(tmp_path.glob("sub/*.tmp"))
+    assert back["gpu"]["lock_clocks"] is False
+
+
+def test_plot_writes_a_png_or_says_why_not(tmp_path):
+    msg = protocol.plot(fake_result(), tmp_path / "itl.png")
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "itl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib is not installed" in msg and not (tmp_path / "itl.png").exists()
+
+
+def test_slowest_lists_launches_in_order_of_time():
+    prof = {"context": 576, "reps": 3, "gated": True, "total_us": 6.0,
+            "kernels": [{"us": float(u), "layer": None if i == 0 else 0, "role": r, "uri": f"k{i}"}
+                        for i, (u, r) in enumerate(((1, "embed"), (3, "qkv"), (2, "down")))]}
+    lines = itl.slowest(prof, 2).splitlines()
+    assert "k1" in lines[2] and "k2" in lines[3] and "k0" not in "\n".join(lines[:4])
+
+
+# ---- the synthetic model and the README table ------------------------------------------------------
+
+def test_synthetic_model_info(tmp_path):
+    path = pack_random(RANDOM_DIMS["tiny"], tmp_path / "tiny.nanoqwen", seed=1)
+    info = protocol.model_info(NanoqwenFile(path))
+    assert info["synthetic"] and "synthetic" in info["label"] and info["n_params"] > 0
+
+
+def test_results_table_renders_committed_results_only(tmp_path):
+    res = fake_result()
+    table = results_table.render({"results/h200.json": res})
+    header, _sep, row = table.splitlines()
+    assert "tg t/s" in header and "h200.json" in row and "abc1234" in row
+    assert f"{res['tests'][1]['avg_ts']:.2f}" in row and f"{100 * res['mbu']['decode_mbu']:.1f}%" in row
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "a.json").write_text(json.dumps(res))
+    git("add", "results/a.json")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "r")
+    (tmp_path / "results" / "b.json").write_text(json.dumps(res))          # not committed: never quoted
+    assert list(results_table.committed_results(tmp_path)) == ["results/a.json"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{results_table.BEGIN}\nold\n{results_table.END}\ntail\n")
+    results_table.update(readme, table)
+    assert readme.read_text() == f"# x\n{results_table.BEGIN}\n{table}\n{results_table.END}\ntail\n"
+    readme.write_text("no markers")
+    with pytest.raises(results_table.TableError):
+        results_table.update(readme, table)
+
+
+# ---- CLI errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, msg", [
+    (["bench"], "give MODEL"),
+    (["bench", "--kernels", "7b"], "--kernels takes no MODEL"),
+    (["bench", "--kernels", "--gen-tokens", "4"], "--kernels takes no --gen-tokens"),
+    (["bench", "no/such/model.nanoqwen"], "no such file"),
+    (["bench", "7b", "--gen-tokens", "1"], "--gen-tokens must be at least 2"),
+    (["bench", "7b", "--prompt-tokens", "0"], "--prompt-tokens must be at least 1"),
+    (["bench", "7b", "--repetitions", "0"], "--repetitions must be at least 1"),
+    (["bench", "7b", "--warmup", "-1"], "--warmup must be at least 0"),
+    (["bench", "7b", "--plot", "itl.jpg"], "expected a .png"),
+    (["bench", "7b", "--profile", "p.txt"], "expected a .json"),
+])
+def test_cli_argument_errors(capsys, argv, msg):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1, err
+
+
+def test_cli_bad_number_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "7b", "--warmup", "three"])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
+def test_cli_without_a_gpu_fails_in_one_line_before_packing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "7b", "--no-baseline"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "CUDA" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "models").exists()     # nothing packed
+
+
+# ---- the GPU-side glue, on fakes: a simulated clock advanced by each "launch" -----------------------
+
+class FakeClock:
+    t = 0.0
+
+
+ROLE_US = {"embed": 2, "qkv": 10, "rope_append": 3, "attention_decode": 6, "attention_combine": 2, "o_proj": 8,
+           "gate_up": 50, "down": 30, "lm_head": 260}
+
+
+class FakeEvent:
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = FakeClock.t
+        return self
+
+    @staticmethod
+    def elapsed_ms(a, b):
+        return (b.t - a.t) * 1e3
+
+    def close(self):
+        pass
+
+
+class FakeHostBuffer:
+    def __init__(self, n):
+        self.ptr, self._a = 1, np.zeros(n // 4, np.uint32)
+
+    def array(self, dtype):
+        return self._a
+
+    def free(self):
+        pass
+
+
+class FakeFn:
+    def __init__(self, role):
+        self.role, self.uri = role, f"{role}_kernel_abcd1234"
+
+    def launch(self, launch, stream, pdl, **args):
+        FakeClock.t += ROLE_US[self.role] * 1e-6
+
+
+class FakeLaunch:
+    grid, block, smem = (132, 1, 1), (128, 1, 1), 0
+
+
+class FakeGraph:
+    def __init__(self, dec):
+        self.dec = dec
+
+    def launch(self, stream):
+        self.dec.launch_kernels(stream)
+        FakeClock.t -= 5e-6                      # PDL overlap: the graph beats the eager sum
+
+
+class FakeDecoder:
+    def __init__(self, layers: int):
+        self.sequence = [(r, FakeFn(r), FakeLaunch(), {}) for r, *_ in fake_sequence(layers)]
+        self.stream, self.pdl, self.graph = type("Stream", (), {"handle": 7})(), True, FakeGraph(self)
+        self.resets = []
+
+    def reset(self, token, pos=0, step=0):
+        self.resets.append((token, pos, step))
+
+    def launch_kernels(self, stream=None):
+        for _r, fn, launch, args in self.sequence:
+            fn.launch(launch, stream, self.pdl, **args)
+
+    def drain(self):
+        pass
+
+    def check_errors(self):
+        pass
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    class FakeCu:
+        class CUstreamWaitValue_flags:
+            CU_STREAM_WAIT_VALUE_GEQ = 0
+
+        @staticmethod
+        def cuMemHostGetDevicePointer(ptr, flags):
+            return (0, ptr)
+
+        @staticmethod
+        def cuStreamWaitValue32(stream, ptr, value, flags):
+            return (0,)
+
+    monkeypatch.setattr(itl.driver, "Event", FakeEvent)
+    monkeypatch.setattr(itl.driver, "HostBuffer", FakeHostBuffer)
+    monkeypatch.setattr(itl, "cu", FakeCu)
+    monkeypatch.setattr(itl, "check", lambda res, what="": res[1] if len(res) > 1 else None)
+
+
+def test_breakdown_sums_regions_over_layers_on_a_simulated_clock(fake_driver):
+    layers = 3
+    dec = FakeDecoder(layers)
+    res = itl.breakdown(dec, context=100, reps=4)
+    assert res["gated"] and not res["gate_timed_out"], res["gate_error"]
+    assert all(r == (0, 99, 99) for r in dec.resets)          # pos = context - 1: attention covers 100 tokens
+    us = {r: 1e3 * ms for r, ms in res["regions_ms"].items()}
+    assert us["qkv_gemv"] == pytest.approx(layers * 10) and us["paged_attention"] == pytest.approx(layers * 8)
+    assert us["lm_head_argmax"] == pytest.approx(260) and us["embed"] == pytest.approx(2)
+    assert res["regions_sum_ms"] == pytest.approx(res["eager_step_ms"])
+    assert res["kernel_gap_ms"] == pytest.approx(-5e-3) and res["launches"] == 2 + 7 * layers
+    prof = itl.profile(dec, context=100, reps=2)
+    assert [k["layer"] for k in prof["kernels"]] == [None] + [i for i in range(layers) for _ in range(7)] + [None]
+    assert prof["total_us"] == pytest.approx(1e3 * res["regions_sum_ms"])
+    assert "lm_head_kernel" in itl.slowest(prof).splitlines()[2]
+
+
+def test_protocol_run_glue_on_fakes(fake_driver, monkeypatch, tmp_path, capsys):
+    """protocol.run end to end with the session, device and copy faked: every figure is computed and the
+    table, plot, profile and JSON are written (on the GPU the same code meets the real driver)."""
+    from nanoqwen.bench import kernels
+    from nanoqwen.runtime import driver, session as session_mod
+
+    path = pack_random(RANDOM_DIMS["tiny"], tmp_path / "tiny.nanoqwen", seed=2)
+
+    class Props:
+        name, sm_count, l2_bytes, total_mem = "Fake H200", 132, 60 << 20, 1 << 40
+        driver_version, compute_capability = 13000, (9, 0)
+
+    class FakeSession:
+        def __init__(self, p, context, eager, log, cfg):
+            self.decoder, self.name, self.closed = FakeDecoder(RANDOM_DIMS["tiny"].layers), "fake", False
+            log("loaded fake")
+
+        def generate(self, prompt, n):
+            assert n == 9 and len(prompt) == 16
+            for _ in range(n):
+                yield 1
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(driver, "device", lambda: type("D", (), {"props": Props()})())
+    monkeypatch.setattr(session_mod, "CudaSession", FakeSession)
+    monkeypatch.setattr(driver, "Stream", lambda: type("S", (), {"close": lambda self: None})())
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda s: {"GBps": 4000.0})
+    monkeypatch.setattr(kernels, "clocks", lambda: {"clocks.sm": "1980 MHz"})
+    prof = tmp_path / "prof.json"
+    res = protocol.run(str(path), warmup=1, prompt_tokens=16, gen_tokens=8, repetitions=2, profile_path=prof,
+                       log=lambda m: None)
+    assert [t["test"] for t in res["tests"]] == ["pp16", "tg8"] and res["tests"][1]["n_depth"] == 16
+    assert res["latency"]["ms_per_token"]["n"] == 16 and res["itl"]["context"] == 20
+    assert res["mbu"]["bytes_per_token"] == mbu.step_bytes(RANDOM_DIMS["tiny"], 20)
+    assert json.loads(prof.read_text())["kernels"] and res["profile"]["path"] == str(prof)
+    assert res["gpu"]["clocks_after"] == {"clocks.sm": "1980 MHz"} and res["gpu"]["lock_clocks"] is False
+    b = res["baseline"]
+    assert "skipped" in b["transformers"] and "skipped" in b["int4_gemv"]   # no CUDA torch here
+    text = protocol.table(res)
+    assert "pp16" in text and "tg8 @ d16" in text and "synthetic" in text and "transformers: skipped" in text
+    protocol.write_json(res, tmp_path / "r.json")
+    assert results_table.render({"results/r.json": json.loads((tmp_path / "r.json").read_text())}).count("\n") == 2
+
+
+def test_baseline_summary_prints_ratios_to_nanoqwen():
+    from nanoqwen.bench import baseline
+    res = fake_result()
+    res["baseline"] = {
+        "transformers": {"transformers": "5.17", "cache": "static", "n_prompt": 512, "pp_ms": 81.0,
+                         "ms_per_token": 3.24},
+        "int4_gemv": {"op": "torch._weight_int4pack_mm", "shapes": [
+            {"role": "qkv", "n": 4608, "k": 3584, "us": 12.0, "GBps": 700.0, "pct_copy": 16.6, "rel_err": 3e-3,
+             "nanoqwen_us": 6.0, "torch_over_nanoqwen": 2.0},
+            {"role": "down", "n": 3584, "k": 18944, "skipped": "RuntimeError: boom"}]}}
+    text = baseline.summary(res)
+    nq_pp = res["tests"][0]["avg_ns"] / 1e6
+    assert f"{81.0 / nq_pp:.2f}x nanoqwen's {nq_pp:.1f} ms" in text
+    assert "3.24 ms/token (2.00x nanoqwen's 1.620)" in text
+    assert "torch/nanoqwen 2.00x" in text and "skipped (RuntimeError: boom)" in text
+
+
+def test_cli_kernels_mode_calls_the_gemv_bench(monkeypatch, capsys, tmp_path):
+    from nanoqwen.bench import kernels
+    seen = {}
+    monkeypatch.setattr(kernels, "run", lambda **kw: seen.update(kw) or {"gemv": []})
+    assert main(["bench", "--kernels", "--roles", "qkv,down", "--out", str(tmp_path / "k.json")]) == 0
+    assert seen == {"roles": ("qkv", "down")} and json.loads((tmp_path / "k.json").read_text()) == {"gemv": []}
+    assert main(["bench", "--kernels", "--roles", "qkv,nope"]) == 1
+    assert "unknown role(s) nope" in capsys.readouterr().err
