@@ -13,7 +13,6 @@ Kernel parameters, in order (``signature``; the runtime packs launch arguments b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
