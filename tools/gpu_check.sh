@@ -7,7 +7,8 @@
 #   GPU_CHECK_TESTS    test files, space-separated (default: every tests/gpu/test_*.py; "none" skips)
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
-#   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b` (synthetic 7B, config protocol)
+#   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b --no-baseline` (synthetic 7B, config protocol, ITL plot, profile)
+#   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
@@ -52,7 +53,10 @@ if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
     cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
 fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
-[ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 300 $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b.json" --plot "$OUT/itl.png"
+[ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 200 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
+    --out "$OUT/bench-7b.json" --plot "$OUT/itl.png" --profile "$OUT/profile-7b.json"
+[ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
+    $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 grep -a -E "^== " "$LOG"
 exit $status
