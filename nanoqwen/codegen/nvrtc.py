@@ -71,10 +71,14 @@ def headers() -> dict[str, str]:
 
 
 def _fetch(nvrtc, prog, size_fn, get_fn, what: str) -> bytes:
+    """NVRTC writes its output (log, PTX, cubin) into the bytes object it is handed. That object must be
+    a fresh one of our own: `b" " * n` is CPython's cached one-byte b" " when n == 1 (an empty log, as
+    NVRTC 13 gives), and the NUL written into it turned every later " ".encode() into b"\x00" (a CLI
+    run printed NUL for spaces). bytes(n + 1) is never a cached object (those have length 0 or 1)."""
     n = _check(nvrtc, size_fn(prog), what + "Size")
-    buf = b" " * n
+    buf = bytes(n + 1)
     _check(nvrtc, get_fn(prog, buf), what)
-    return buf
+    return buf[:n]
 
 
 def compile(source: str, name: str, arch: str, options, ptx: bool = False, spec_repr: str | None = None,
