@@ -38,6 +38,18 @@ NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
     u32 d; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
 }
 
+// ---- fp32 pinned to one rounding per operation ------------------------------------------------
+// .rn forbids FMA contraction: RoPE must match the numpy reference (and the prefill the decode) bit for bit.
+NQ_DEVICE float mul_rn(float a, float b) { float d; asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+NQ_DEVICE float add_rn(float a, float b) { float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+NQ_DEVICE float sub_rn(float a, float b) { float d; asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
+
+// Rotate-half RoPE of the pair (x[i], x[i + HD/2]) by angle (cos c, sin c):
+// (x1 c - x2 s, x2 c + x1 s), each product and sum rounded separately.
+NQ_DEVICE float2 rope_pair(float x1, float x2, float c, float s) {
+    return make_float2(sub_rn(mul_rn(x1, c), mul_rn(x2, s)), add_rn(mul_rn(x2, c), mul_rn(x1, s)));
+}
+
 // ---- warp reductions -----------------------------------------------------------------------------
 NQ_DEVICE float warp_sum(float v) {
 #pragma unroll
