@@ -210,16 +210,10 @@ def test_page_table_reservation_covers_request():
         assert pt.locate(pos)[0] >= 0
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
-@pytest.mark.parametrize("ahead", [1, 8])
-def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
-    """Decoder.generate's host side (prefill feeding, launch-ahead, pinned read-back, sampling feed,
-    early close) over a fake device whose "step" is the numpy reference reading and advancing the
-    device state exactly as the kernels do. Its tokens must be the reference's own generation."""
-    dec, *_ = fake_decoder(nqfile, monkeypatch, ahead=ahead)
-    ref = Reference.from_file(nqfile, max_seq=100)
-    steps = []
-
+def reference_step(dec, ref, fed: list):
+    """A stand-in for one decode step on the fake device: the reference decodes the token in the
+    device state, writes logits, tokens_out and the advanced state as lm_head_argmax would, and records
+    the token it was fed."""
     def step(stream=None):
         state = dec.state.mem.view(np.int32)
         tok, pos, k = (int(x) for x in state[:3])
@@ -229,9 +223,20 @@ def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
         dec.logits.mem.view(np.float32)[:] = logits
         dec.tokens_out.mem.view(np.int32)[k] = int(np.argmax(logits))
         state[:3] = (int(np.argmax(logits)), pos + 1, k + 1)
-        steps.append(tok)
+        fed.append(tok)
+    return step
 
-    monkeypatch.setattr(dec, "launch_kernels", step)
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
+@pytest.mark.parametrize("ahead", [1, 8])
+def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
+    """Decoder.generate's host side (prefill feeding, launch-ahead, pinned read-back, sampling feed,
+    early close) over a fake device whose "step" is the numpy reference reading and advancing the
+    device state exactly as the kernels do. Its tokens must be the reference's own generation."""
+    dec, *_ = fake_decoder(nqfile, monkeypatch, ahead=ahead)
+    ref = Reference.from_file(nqfile, max_seq=100)
+    steps = []
+    monkeypatch.setattr(dec, "launch_kernels", reference_step(dec, ref, steps))
     prompt = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     for n in (1, 2, 12):
         ref.reset()

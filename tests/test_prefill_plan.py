@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile  # noqa: F401
+from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile, reference_step  # noqa: F401
 from test_pdl_order import _before_wait
 
 from nanoqwen import config
@@ -174,18 +174,8 @@ def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
         d.read_back(len(prompt) - 1, read_token, read_logits)
         return len(prompt)
 
-    def step(stream=None):
-        state = dec.state.mem.view(np.int32)
-        tok, pos, k = (int(x) for x in state[:3])
-        assert pos == ref.pos == k, f"device state {state[:3]} vs reference position {ref.pos}"
-        logits = ref.decode(tok)
-        dec.logits.mem.view(np.float32)[:] = logits
-        dec.tokens_out.mem.view(np.int32)[k] = int(np.argmax(logits))
-        state[:3] = (int(np.argmax(logits)), pos + 1, k + 1)
-        fed.append(tok)
-
     monkeypatch.setattr(dec, "prefill", prefill)
-    monkeypatch.setattr(dec, "launch_kernels", step)
+    monkeypatch.setattr(dec, "launch_kernels", reference_step(dec, ref, fed))
     prompt = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     for n in (1, 2, 12):
         fed.clear()
