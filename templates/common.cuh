@@ -30,13 +30,7 @@ NQ_DEVICE f16x2 hfma2(f16x2 a, f16x2 b, f16x2 c) {
     f16x2 d; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
 }
 NQ_DEVICE f16x2 hadd2(f16x2 a, f16x2 b) { f16x2 d; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-NQ_DEVICE f16x2 hsub2(f16x2 a, f16x2 b) { f16x2 d; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
 NQ_DEVICE f16x2 hmul2(f16x2 a, f16x2 b) { f16x2 d; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
-
-// d = (a & b) | c in one LOP3: the core of the magic-number INT4 -> fp16 unpack.
-NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
-    u32 d; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
-}
 
 // ---- fp32 pinned to one rounding per operation ------------------------------------------------
 // .rn forbids FMA contraction: RoPE must match the numpy reference (and the prefill the decode) bit for bit.
@@ -54,11 +48,6 @@ NQ_DEVICE float2 rope_pair(float x1, float x2, float c, float s) {
 NQ_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-NQ_DEVICE float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
