@@ -104,58 +104,49 @@ class StepTimer:
         role, fn, launch, args = self.dec.sequence[i]
         fn.launch(launch, self.dec.stream, self.dec.pdl, **args)
 
-    def groups(self, token: int, pos: int, groups, reps: int) -> list[list[float]]:
-        """Seconds of each group, ``reps`` times: [[group seconds] per rep]."""
+    def _replay(self, token: int, pos: int, reps: int, events: int, enqueue) -> list[list[float]]:
+        """``reps`` gated replays of ``enqueue(stream, events)`` from state (token, pos): the seconds
+        between consecutive events of each replay."""
         s = self.dec.stream
-        events = [driver.Event() for _ in range(len(groups) + 1)]
+        evs = [driver.Event() for _ in range(events)]
         out = []
         try:
             for _ in range(reps):
                 self._set(token, pos)
                 self.gate.hold(s)
                 try:
-                    events[0].record(s)
-                    for g, (_label, idx) in enumerate(groups):
-                        for i in idx:
-                            self._launch(i)
-                        events[g + 1].record(s)
+                    enqueue(s, evs)
                 finally:
                     self.gate.release()
                 self.dec.drain()   # with a timeout: a hung kernel is an error, not a hang
-                out.append([driver.Event.elapsed_ms(a, b) * 1e-3 for a, b in zip(events, events[1:])])
+                out.append([driver.Event.elapsed_ms(a, b) * 1e-3 for a, b in zip(evs, evs[1:])])
         finally:
             self.dec.drain()
-            for e in events:
+            for e in evs:
                 e.close()
         self.dec.check_errors()
         return out
 
+    def groups(self, token: int, pos: int, groups, reps: int) -> list[list[float]]:
+        """Seconds of each group, ``reps`` times: [[group seconds] per rep]."""
+        def enqueue(s, evs):
+            evs[0].record(s)
+            for g, (_label, idx) in enumerate(groups):
+                for i in idx:
+                    self._launch(i)
+                evs[g + 1].record(s)
+        return self._replay(token, pos, reps, len(groups) + 1, enqueue)
+
     def whole(self, token: int, pos: int, reps: int, graph: bool) -> list[float]:
         """Seconds of the whole step (graph replay, or eager launches without events in between)."""
-        s, dec = self.dec.stream, self.dec
-        a, b = driver.Event(), driver.Event()
-        out = []
-        try:
-            for _ in range(reps):
-                self._set(token, pos)
-                self.gate.hold(s)
-                try:
-                    a.record(s)
-                    if graph:
-                        dec.graph.launch(s)
-                    else:
-                        dec.launch_kernels(s)
-                    b.record(s)
-                finally:
-                    self.gate.release()
-                dec.drain()
-                out.append(driver.Event.elapsed_ms(a, b) * 1e-3)
-        finally:
-            dec.drain()
-            a.close()
-            b.close()
-        dec.check_errors()
-        return out
+        def enqueue(s, evs):
+            evs[0].record(s)
+            if graph:
+                self.dec.graph.launch(s)
+            else:
+                self.dec.launch_kernels(s)
+            evs[1].record(s)
+        return [t for (t,) in self._replay(token, pos, reps, 2, enqueue)]
 
     def close(self) -> None:
         self.gate.close()
