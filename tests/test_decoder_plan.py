@@ -227,6 +227,16 @@ def reference_step(dec, ref, fed: list):
     return step
 
 
+def reference_generation(ref, logits, n: int, sampling) -> list[int]:
+    """The n tokens the reference generates from the last prompt logits, with the host sampler."""
+    sample, want = HostSampler(sampling), []
+    for i in range(n):
+        want.append(sample(logits))
+        if i + 1 < n:
+            logits = ref.decode(want[-1])
+    return want
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
 @pytest.mark.parametrize("ahead", [1, 8])
 def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
@@ -245,11 +255,7 @@ def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
         ref.reset()
         for t in prompt:  # token by token, like the fake device: batched prefill rounds differently
             logits = ref.decode(t)
-        sample, want = HostSampler(sampling), []
-        for i in range(n):
-            want.append(sample(logits))
-            if i + 1 < n:
-                logits = ref.decode(want[-1])
+        want = reference_generation(ref, logits, n, sampling)
         assert got == want
         assert steps == prompt + want[:-1], "the device was fed something other than prompt + generated"
     # closing early: the steps launched ahead stay bounded by the request

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile, reference_step  # noqa: F401
+from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile, reference_generation, reference_step  # noqa: F401
 from test_pdl_order import _before_wait
 
 from nanoqwen import config
@@ -180,11 +180,6 @@ def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
     for n in (1, 2, 12):
         fed.clear()
         got = list(dec.generate(prompt, n, sampling))
-        logits = ref.prefill(prompt)[-1]
-        sample, want = HostSampler(sampling), []
-        for i in range(n):
-            want.append(sample(logits))
-            if i + 1 < n:
-                logits = ref.decode(want[-1])
+        want = reference_generation(ref, ref.prefill(prompt)[-1], n, sampling)
         assert got == want
         assert fed == want[:-1], "the decode steps were fed something other than the generated tokens"
