@@ -12,7 +12,7 @@ import pytest
 from nanoqwen import codegen, config
 from nanoqwen.codegen import cache, kernels, resources
 from nanoqwen.dims import QWEN25_7B, ModelDims
-from nanoqwen.tuning import tuned
+from nanoqwen.codegen import tuned
 
 
 def _tiny_dims() -> ModelDims:

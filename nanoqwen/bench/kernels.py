@@ -17,6 +17,7 @@ import subprocess
 import numpy as np
 
 from .. import ROOT, codegen, config
+from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
@@ -139,7 +140,6 @@ def git_commit() -> str | None:
 def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, roles=gemv.ROLES, log=print) -> dict:
     """Copy bandwidth, then each role's GEMV as the decoder would build it on this GPU (tuned parameters
     from tune/tuned.json when present, else the config defaults; both are timed when they differ)."""
-    from ..tuning import tuned
     cfg = cfg or config.default()
     dev = driver.device()
     props = dev.props
@@ -155,15 +155,15 @@ def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, roles=gem
     result["copy"] = copy
     log(f"copy bandwidth (cuMemcpyDtoD, read+write): {copy['GBps']:.0f} GB/s "
         f"[{copy['GBps_min']:.0f}..{copy['GBps_max']:.0f}]")
-    plan = []
+    to_time = []
     for role in roles:
         default = gemv.role_spec(role, dims, cfg)
         best = tuned.role_spec(role, dims, cfg, props.name)
-        plan += [(role, "tuned", best)] + ([(role, "default", default)] if best != default else [])
-    built = codegen.build_many([spec for _, _, spec in plan], progress=codegen.ProgressLine())
+        to_time += [(role, "tuned", best)] + ([(role, "default", default)] if best != default else [])
+    built = codegen.build_many([spec for _, _, spec in to_time], progress=codegen.ProgressLine())
     blocker = driver.DeviceBuffer(BLOCKER_BYTES)
     rows = []
-    for (role, source, spec), b in zip(plan, built):
+    for (role, source, spec), b in zip(to_time, built):
         copies = rotating_copies(spec, cfg.bench.l2_rotate_bytes)
         case = GemvCase(spec, rng, copies)
         try:

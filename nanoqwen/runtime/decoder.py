@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import NanoqwenError
 from ..codegen.kernels import attention, embed, gemv, lm_head
-from ..tuning import tuned
+from ..codegen import tuned
 from . import driver
 from .driver import check, cu
 from .prefill import by_steps

@@ -15,9 +15,10 @@ import numpy as np
 from .. import ROOT, codegen, config
 from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase
+from ..codegen import tuned, tuned_store
 from ..dims import ModelDims
 from ..runtime import driver
-from . import space, store, tuned
+from . import space
 
 PROGRESS_DIR = ROOT / "tune" / ".progress"
 
@@ -95,7 +96,8 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print)
     blocker.free()
     stream.close()
     if entries:
-        store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()})
+        tuned_store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu,
+                                          "commit": kbench.git_commit()})
     return summary
 
 

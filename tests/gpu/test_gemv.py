@@ -20,7 +20,7 @@ from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime import driver
 from nanoqwen.testmodels import tiny_dims
-from nanoqwen.tuning import tuned
+from nanoqwen.codegen import tuned
 
 pytestmark = pytest.mark.gpu
 

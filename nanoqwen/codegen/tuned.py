@@ -7,20 +7,20 @@ from __future__ import annotations
 from functools import cache
 
 from .. import config
-from ..codegen.kernels import gemv
-from ..codegen.spec import SpecError
 from ..dims import ModelDims
-from . import store
+from . import tuned_store
+from .kernels import gemv
+from .spec import SpecError
 
 
 @cache
 def _notice_once(message: str) -> None:
-    store.notice(message)
+    tuned_store.notice(message)
 
 
 def entry_key(role: str, dims: ModelDims, cfg: config.Config, gpu: str) -> str:
     n, k = gemv.role_shape(role, dims)
-    return store.key(gpu, cfg.codegen.arch, gemv.GemvInt4Spec.family, role, n, k)
+    return tuned_store.key(gpu, cfg.codegen.arch, gemv.GemvInt4Spec.family, role, n, k)
 
 
 def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -> gemv.GemvInt4Spec:
@@ -28,7 +28,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -
     if gpu is None:
         return default
     key = entry_key(role, dims, cfg, gpu)
-    params = store.lookup_params(key)
+    params = tuned_store.lookup_params(key)
     if params is None:
         _notice_once(f"no tuned {role} GEMV for {gpu} (n{default.n} k{default.k}): config defaults "
                      f"(run nanoqwen-tune)")
@@ -42,7 +42,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -
 
 def tuned_specs(dims: ModelDims, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
     """Every tuned GEMV the store holds for these dims, any GPU: CI compiles them too (no spills)."""
-    gpus = {k.split("|")[0] for k in store.load()["entries"]}
+    gpus = {k.split("|")[0] for k in tuned_store.load()["entries"]}
     specs = [role_spec(role, dims, cfg, gpu) for gpu in sorted(gpus) for role in gemv.ROLES
-             if store.lookup_params(entry_key(role, dims, cfg, gpu)) is not None]
+             if tuned_store.lookup_params(entry_key(role, dims, cfg, gpu)) is not None]
     return list(dict.fromkeys(specs))
