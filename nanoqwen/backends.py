@@ -33,11 +33,11 @@ class ReferenceEngine:
 
     def __init__(self, path: str | Path, context: int):
         from .nqfile import NanoqwenFile
-        from .reference import Reference, Weights
+        from .reference import Fp32Weights, Reference
 
         f = NanoqwenFile(path)
         self.dims, self.context = f.dims, context
-        self.ref = Reference(Weights.from_file(f), max_seq=context)
+        self.ref = Reference(Fp32Weights.from_file(f), max_seq=context)
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling):
         check_request(self.dims, prompt, max_new_tokens, self.context)

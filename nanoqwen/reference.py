@@ -117,7 +117,7 @@ def tensor_names(dims: ModelDims) -> list[str]:
     return [n for n in expected_tensors(dims) if not n.endswith(".scales")]
 
 
-class Weights:
+class Fp32Weights:
     """HF tensor name -> fp32 array, INT4 weights exactly `q * f32(scale)`. `cache=False` dequantizes on
     every access, so 7B-sized layers can be simulated one at a time without holding 28 GB of fp32."""
 
@@ -141,7 +141,7 @@ class Weights:
         return {n: self[n] for n in self.names()}
 
     @classmethod
-    def from_file(cls, path, cache: bool = True) -> "Weights":
+    def from_file(cls, path, cache: bool = True) -> "Fp32Weights":
         """A .nanoqwen file (path or open NanoqwenFile): exactly the numbers the GPU sees."""
         f = path if isinstance(path, NanoqwenFile) else NanoqwenFile(path)
 
@@ -152,7 +152,7 @@ class Weights:
         return cls(f.dims, get, cache)
 
     @classmethod
-    def from_dict(cls, dims: ModelDims, arrays: Mapping[str, np.ndarray]) -> "Weights":
+    def from_dict(cls, dims: ModelDims, arrays: Mapping[str, np.ndarray]) -> "Fp32Weights":
         """Float arrays used as they are (no quantization): e.g. fp32 structural checks."""
         missing = [n for n in tensor_names(dims) if n not in arrays]
         if missing:
@@ -160,7 +160,7 @@ class Weights:
         return cls(dims, lambda n: _f32(arrays[n]))
 
     @classmethod
-    def quantized(cls, dims: ModelDims, arrays: Mapping[str, np.ndarray]) -> "Weights":
+    def quantized(cls, dims: ModelDims, arrays: Mapping[str, np.ndarray]) -> "Fp32Weights":
         """What packing `arrays` into a .nanoqwen file yields, without the file: INT4 tensors go through
         quantize -> pack -> dequantize, the rest through fp16."""
         tags = expected_tensors(dims)
@@ -175,7 +175,7 @@ class Weights:
 
 # ---------------------------------------------------------------- the model
 
-def decoder_layer(w: Weights, i: int, h: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
+def decoder_layer(w: Fp32Weights, i: int, h: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
                   v_cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, fp16: bool = True,
                   trace: dict | None = None) -> np.ndarray:
     """One decoder block on the fp32 residual h [T, hidden] at absolute `positions` [T] (consecutive).
@@ -217,7 +217,7 @@ class Reference:
     The KV cache is `k_cache[i]`, `v_cache[i]` [max_seq, kv_heads, head_dim] (fp16; fp32 when fp16=False),
     rows 0..pos-1 valid; `kv(i)` returns those rows."""
 
-    def __init__(self, weights: Weights, fp16: bool = True, max_seq: int | None = None):
+    def __init__(self, weights: Fp32Weights, fp16: bool = True, max_seq: int | None = None):
         self.w = weights
         self.dims = d = weights.dims
         self.fp16 = fp16
@@ -230,7 +230,7 @@ class Reference:
 
     @classmethod
     def from_file(cls, path: str | Path, fp16: bool = True, max_seq: int | None = None) -> "Reference":
-        return cls(Weights.from_file(path), fp16, max_seq)
+        return cls(Fp32Weights.from_file(path), fp16, max_seq)
 
     def reset(self) -> None:
         self.pos = 0

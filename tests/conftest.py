@@ -3,29 +3,13 @@ CUDA device and are skipped cleanly without one; everything else runs on the CPU
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from hypothesis import settings
 
+from nanoqwen.backends import cuda_available
+
 settings.register_profile("nanoqwen", deadline=None, max_examples=60)
 settings.load_profile("nanoqwen")
-
-
-@functools.cache
-def gpu_available() -> bool:
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return False
-    try:
-        err, = driver.cuInit(0)
-    except Exception:  # noqa: BLE001 - cuda-bindings 13 raises when libcuda itself is absent
-        return False
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return False
-    err, n = driver.cuDeviceGetCount()
-    return err == driver.CUresult.CUDA_SUCCESS and n > 0
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +30,7 @@ def fresh_build(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    if gpu_available():
+    if cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")
     for item in items:

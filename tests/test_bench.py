@@ -18,8 +18,7 @@ from nanoqwen.dims import QWEN25_7B
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
 from nanoqwen import ROOT
-
-from conftest import gpu_available
+from nanoqwen.backends import cuda_available
 
 spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
 results_table = importlib.util.module_from_spec(spec)
@@ -101,8 +100,8 @@ def fake_result(synthetic: bool = True) -> dict:
     res = {"kind": "nanoqwen-bench", "schema": protocol.SCHEMA, "commit": "abc1234", "config_hash": "0" * 16,
            "date": "2026-12-02T14:00:00+00:00", "model": info,
            "gpu": {"name": "NVIDIA H200", "driver_version": 13000, "lock_clocks": False, "clocks_before": {}},
-           "tests": [protocol.test_record(f"pp{P}", P, 0, 0, ttft, P, common),
-                     protocol.test_record(f"tg{G}", 0, G, P, tg, G, common)],
+           "tests": [protocol.bench_record(f"pp{P}", P, 0, 0, ttft, P, common),
+                     protocol.bench_record(f"tg{G}", 0, G, P, tg, G, common)],
            "latency": {"ttft_ms": {"median": 55.0, "min": 50.0, "max": 60.0},
                        "ms_per_token": {"p50": 1.6, "p90": 1.7, "mean": 1.62, "min": 1.5, "max": 1.9, "n": 640}},
            "itl": {"context": P + G // 2, "reps": 20, "gated": True, "gate_timed_out": False,
@@ -114,7 +113,7 @@ def fake_result(synthetic: bool = True) -> dict:
     return res
 
 
-def test_record_uses_llama_bench_fields():
+def test_bench_record_uses_llama_bench_fields():
     t = fake_result()["tests"][1]
     for key in ("model_filename", "model_type", "model_size", "model_n_params", "backends", "gpu_info",
                 "build_commit", "n_batch", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns",
@@ -234,7 +233,7 @@ def test_cli_bad_number_is_an_argparse_error(capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU error")
 def test_cli_without_a_gpu_fails_in_one_line_before_packing(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
     assert main(["bench", "7b", "--no-baseline"]) == 1

@@ -16,7 +16,7 @@ import torch
 from nanoqwen import config, testmodels
 from nanoqwen.hf import HFCheckpoint
 from nanoqwen.pack import pack_hf
-from nanoqwen.reference import (Reference, ReferenceModelError, Weights, attention, f16, rope, rope_tables,
+from nanoqwen.reference import (Fp32Weights, Reference, ReferenceModelError, attention, f16, rope, rope_tables,
                                 swiglu)
 from nanoqwen.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ PROMPT = '''def _splitext(p, sep, altsep, extsep):
 '''
 
 
-def hf_model(weights: Weights):
+def hf_model(weights: Fp32Weights):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**weights.dims.to_hf_config(), attn_implementation="eager"))
@@ -49,7 +49,7 @@ def errors(ref: np.ndarray, hf: np.ndarray) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (file Weights, transformers model, prompt tokens)."""
+    """name -> (file Fp32Weights, transformers model, prompt tokens)."""
     root = tmp_path_factory.mktemp("models")
     dirs = {"tiny": testmodels.make_tiny_model(root / "tiny", seed=1),
             "small-py": testmodels.SMALL_PY_DIR,
@@ -58,7 +58,7 @@ def models(tmp_path_factory):
     prompt = tok.encode(PROMPT)
     out = {}
     for name, d in dirs.items():
-        w = Weights.from_file(pack_hf(HFCheckpoint(d), root / f"{name}.nanoqwen"))
+        w = Fp32Weights.from_file(pack_hf(HFCheckpoint(d), root / f"{name}.nanoqwen"))
         out[name] = (w, hf_model(w), prompt)
     return out
 
@@ -152,7 +152,7 @@ def test_swiglu_extremes_finite():
 def test_file_weights_equal_quantized_dict(models, tmp_path):
     w_file = models["tiny"][0]
     ck = HFCheckpoint(testmodels.make_tiny_model(tmp_path / "t", seed=1))
-    w_dict = Weights.quantized(ck.dims, {n: ck.read(n) for n in w_file.names()})
+    w_dict = Fp32Weights.quantized(ck.dims, {n: ck.read(n) for n in w_file.names()})
     for name in w_file.names():
         np.testing.assert_array_equal(w_file[name], w_dict[name], err_msg=name)
 
@@ -160,11 +160,11 @@ def test_file_weights_equal_quantized_dict(models, tmp_path):
 def test_from_dict_and_errors(models):
     w = models["tiny"][0]
     arrays = w.to_dict()
-    ref = Reference(Weights.from_dict(w.dims, arrays), max_seq=16)
+    ref = Reference(Fp32Weights.from_dict(w.dims, arrays), max_seq=16)
     np.testing.assert_array_equal(ref.prefill([1, 2, 3]), Reference(w, max_seq=16).prefill([1, 2, 3]))
     del arrays["model.norm.weight"]
     with pytest.raises(ReferenceModelError, match="model.norm.weight is missing"):
-        Weights.from_dict(w.dims, arrays)
+        Fp32Weights.from_dict(w.dims, arrays)
     with pytest.raises(ReferenceModelError, match="exceeds max_seq 16"):
         ref.prefill(list(range(17)))
     with pytest.raises(ReferenceModelError, match="token id out of range"):

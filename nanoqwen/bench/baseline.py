@@ -48,7 +48,7 @@ def _load_hf(torch, path: Path, log):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ..nqfile import NanoqwenFile
-    from ..reference import Weights, tensor_names
+    from ..reference import Fp32Weights, tensor_names
     f = NanoqwenFile(path)
     hf_cfg = Qwen2Config(**{**f.dims.to_hf_config(), "torch_dtype": "float16"})
     old = torch.get_default_dtype()
@@ -60,7 +60,7 @@ def _load_hf(torch, path: Path, log):
         torch.set_default_dtype(old)
     model.eval()
     params = dict(model.named_parameters())
-    w = Weights.from_file(f, cache=False)
+    w = Fp32Weights.from_file(f, cache=False)
     names = tensor_names(f.dims)
     missing = [n for n in names if n not in params]
     if missing:

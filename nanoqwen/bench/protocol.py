@@ -87,8 +87,8 @@ def _stdev(xs) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def test_record(name: str, n_prompt: int, n_gen: int, n_depth: int, samples_s: list[float], tokens: int,
-                common: dict) -> dict:
+def bench_record(name: str, n_prompt: int, n_gen: int, n_depth: int, samples_s: list[float], tokens: int,
+                 common: dict) -> dict:
     """One llama-bench-style test record from the per-repetition seconds of ``tokens`` tokens."""
     ts = [tokens / s for s in samples_s]
     ns = [s * 1e9 for s in samples_s]
@@ -172,8 +172,8 @@ def run(model: str, warmup: int | None = None, prompt_tokens: int | None = None,
         common = {"model_filename": info["path"], "model_type": info["label"], "model_size": info["size_bytes"],
                   "model_n_params": info["n_params"], "backends": backend, "gpu_info": props.name,
                   "build_commit": result["commit"], "n_batch": b.batch, "test_time": result["date"]}
-        result["tests"] = [test_record(f"pp{P}", P, 0, 0, ttft, P, common),
-                           test_record(f"tg{G}", 0, G, P, tg_s, G, common)]
+        result["tests"] = [bench_record(f"pp{P}", P, 0, 0, ttft, P, common),
+                           bench_record(f"tg{G}", 0, G, P, tg_s, G, common)]
         result["latency"] = {"ttft_ms": {"median": 1e3 * statistics.median(ttft), "min": 1e3 * min(ttft),
                                          "max": 1e3 * max(ttft)},
                              "ms_per_token": {"p50": 1e3 * percentile(gaps, 50), "p90": 1e3 * percentile(gaps, 90),

@@ -4,7 +4,7 @@ model needs. Knows nothing of the runtime: it produces cubins, the runtime loads
 from .build import Built, ProgressLine, build, build_many
 from .cache import JitDisabled
 from .nvrtc import CompileError, Compiled
-from .plan import model_kernels
+from .manifest import model_kernels
 from .render import render
 from .resources import Resources
 from .spec import KernelSpec, Launch, SpecError, from_params

@@ -75,7 +75,7 @@ def test_prefill_layer_in_chunks(fns, model):
     H, Q, KV, D = dims.hidden, dims.q_dim, dims.kv_dim, dims.head_dim
 
     # reference, whole prompt at once (causal: identical to chunked)
-    w = R.Weights(dims, lambda n: np.asarray(arrays[n], np.float32))
+    w = R.Fp32Weights(dims, lambda n: np.asarray(arrays[n], np.float32))
     h0 = rng.standard_normal((T, H)).astype(np.float32)
     cos, sin = R.rope_tables(dims, 1024)
     k_ref = np.zeros((1024, dims.kv_heads, D), np.float16)

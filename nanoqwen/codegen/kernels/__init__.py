@@ -12,7 +12,7 @@ Adding a family:
    naming the field for impossible combinations; ``launch()`` returns ``Launch(grid, block, smem)``.
 3. If the model needs it, the module defines
        def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]
-   (called once per module by ``codegen.plan.model_kernels``; tests/test_kernels_compile.py then compiles
+   (called once per module by ``codegen.manifest.model_kernels``; tests/test_kernels_compile.py then compiles
    every spec it returns for the 7B and the test model and asserts no spills and no local memory).
 4. One line in FAMILIES below. ``nanoqwen-gen list`` / ``emit <family> --param k=v`` work at once."""
 
