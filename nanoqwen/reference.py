@@ -11,6 +11,8 @@ transformers in fp32, which must then agree to ~1e-6.
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -22,6 +24,9 @@ from .nqfile import INT4, NanoqwenFile, expected_tensors
 from .quant import dequantize, pack, quantize, to_fp16
 
 FP16_MAX = np.float32(65504.0)
+MEMINFO = Path("/proc/meminfo")
+SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 class ReferenceModelError(NanoqwenError):
@@ -173,6 +178,71 @@ class Fp32Weights:
         return cls(dims, get)
 
 
+# ---------------------------------------------------------------- memory
+
+def memory_needed(dims: ModelDims, max_seq: int, fp16: bool = True) -> int:
+    """Bytes a Reference of `dims` holds once every weight has been read: each tensor fp32 at its logical
+    shape (Fp32Weights caches them), the KV cache and the RoPE tables, plus the peak of dequantizing the
+    largest INT4 weight (its int8 values and an fp32 copy beside the result: 5 more bytes per weight).
+    A call's activations come on top (small beside the weights unless the prompt is thousands of tokens)."""
+    tensors = expected_tensors(dims)
+    weights = sum(math.prod(tensors[n][1]) for n in tensor_names(dims))
+    int4 = max((math.prod(shape) for tag, shape in tensors.values() if tag == INT4), default=0)
+    kv = 2 * dims.layers * max_seq * dims.kv_dim * (2 if fp16 else 4)
+    rope = 2 * max_seq * (dims.head_dim // 2) * 4
+    return 4 * weights + kv + rope + 5 * int4
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take: MemAvailable of /proc/meminfo (or, without /proc, the physical
+    memory: an upper bound), capped by a cgroup v2 memory limit (a container's); None when unknown."""
+    avail = None
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    room = _cgroup_room()
+    return avail if room is None else min(avail, room)
+
+
+def _cgroup_room() -> int | None:
+    """The least `memory.max - memory.current` over this process's cgroup v2 and its ancestors."""
+    try:
+        rel = next(ln[3:] for ln in SELF_CGROUP.read_text().splitlines() if ln.startswith("0::"))
+    except (OSError, StopIteration):
+        return None
+    leaf, rooms = CGROUP_FS / rel.strip().lstrip("/"), []
+    for d in (leaf, *leaf.parents):
+        if not d.is_relative_to(CGROUP_FS):
+            break
+        try:
+            limit = (d / "memory.max").read_text().strip()
+            if limit != "max":
+                rooms.append(int(limit) - int((d / "memory.current").read_text()))
+        except (OSError, ValueError):
+            pass
+    return min(rooms, default=None)
+
+
+def check_memory(dims: ModelDims, max_seq: int, fp16: bool = True, available: int | None = None) -> None:
+    """Refuse, in one line, a model whose reference simulation would not fit in memory: the alternative is
+    the kernel's OOM killer, without a word, after minutes of dequantizing. `available` defaults to
+    available_memory(); an unknown amount is not checked."""
+    need = memory_needed(dims, max_seq, fp16)
+    avail = available_memory() if available is None else available
+    if avail is not None and need > avail:
+        raise ReferenceModelError(f"reference backend: the model needs {need / 1e9:.3g} GB of memory as fp32 "
+                                  f"({need} bytes with the KV cache), {avail / 1e9:.3g} GB ({avail} bytes) "
+                                  f"available; use the cuda backend (a GPU)")
+
+
 # ---------------------------------------------------------------- the model
 
 def decoder_layer(w: Fp32Weights, i: int, h: np.ndarray, positions: np.ndarray, k_cache: np.ndarray,
@@ -222,6 +292,7 @@ class Reference:
         self.dims = d = weights.dims
         self.fp16 = fp16
         self.max_seq = min(d.max_positions, 4096) if max_seq is None else max_seq
+        check_memory(d, self.max_seq, fp16)   # before a byte is allocated
         self.cos, self.sin = rope_tables(d, self.max_seq)
         dtype = np.float16 if fp16 else np.float32
         self.k_cache = [np.zeros((self.max_seq, d.kv_heads, d.head_dim), dtype) for _ in range(d.layers)]

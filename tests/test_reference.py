@@ -9,12 +9,19 @@ validation.reference_vs_transformers_rel."""
 
 from __future__ import annotations
 
+import os
+import tracemalloc
+
 import numpy as np
 import pytest
 import torch
 
 from nanoqwen import config, testmodels
+from nanoqwen import reference as R
+from nanoqwen.cli.main import main
+from nanoqwen.dims import QWEN25_7B
 from nanoqwen.hf import HFCheckpoint
+from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_hf
 from nanoqwen.reference import (Fp32Weights, Reference, ReferenceModelError, attention, f16, rope, rope_tables,
                                 swiglu)
@@ -169,6 +176,86 @@ def test_from_dict_and_errors(models):
         ref.prefill(list(range(17)))
     with pytest.raises(ReferenceModelError, match="token id out of range"):
         ref.prefill([w.dims.vocab])
+
+
+# ---------------------------------------------------------------- memory check
+
+def test_memory_needed_is_what_the_reference_allocates(tmp_path):
+    """The weights cache, KV cache and RoPE tables hold exactly the count less the dequantization peak (the
+    largest INT4 weight, q_proj here, 5 bytes each); numpy's allocations, traced through a prefill and a
+    decode that read every weight, peak between the two."""
+    f = NanoqwenFile(pack_hf(HFCheckpoint(testmodels.make_tiny_model(tmp_path / "t", seed=1)), tmp_path / "t.nq"))
+    d = f.dims
+    tracemalloc.start()
+    try:
+        ref = Reference(Fp32Weights.from_file(f), max_seq=64)
+        ref.prefill([1, 2, 3])
+        ref.decode(4)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    held = (sum(a.nbytes for a in ref.w.to_dict().values()) + sum(c.nbytes for c in ref.k_cache + ref.v_cache)
+            + ref.cos.nbytes + ref.sin.nbytes)
+    need = R.memory_needed(d, 64)
+    assert held == need - 5 * d.q_dim * d.hidden
+    assert held <= peak <= need
+
+
+def test_a_7b_that_does_not_fit_is_refused_before_anything_is_allocated(monkeypatch):
+    params = 7_615_616_512                      # Qwen2.5-7B, untied embeddings
+    kv, rope_bytes = 2 * 28 * 4096 * 512 * 2, 2 * 4096 * 64 * 4
+    need = R.memory_needed(QWEN25_7B, 4096)
+    assert need == 4 * params + kv + rope_bytes + 5 * 18944 * 3584      # largest INT4: gate/up/down
+
+    def never(name):
+        raise AssertionError(f"{name} was read")
+    monkeypatch.setattr(R, "available_memory", lambda: 16 * 10**9)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReferenceModelError) as e:
+            Reference(Fp32Weights(QWEN25_7B, never), max_seq=4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    msg = str(e.value)
+    assert "\n" not in msg and f"needs 31 GB of memory as fp32 ({need} bytes" in msg
+    assert "16 GB (16000000000 bytes) available" in msg
+    R.check_memory(QWEN25_7B, 4096, available=need)                     # exactly enough is enough
+
+
+def test_run_with_the_reference_backend_refuses_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(R, "available_memory", lambda: 1000)
+    argv = ["run", str(testmodels.SMALL_PY_DIR), "--backend", "reference", "--prompt", "def f():"]
+    main(argv)                                  # packs the model into the cache (progress on stderr)
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == ""
+    assert err.startswith("error: reference backend: the model needs ") and err.count("\n") == 1, err
+    assert "(1000 bytes) available" in err
+
+
+def test_available_memory_reads_meminfo_and_cgroup_limits(tmp_path, monkeypatch):
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < R.available_memory() <= physical                        # this machine's real answer
+    fs = tmp_path / "cgroup"
+    (fs / "box" / "inner").mkdir(parents=True)
+    (tmp_path / "meminfo").write_text("MemTotal:       64000000 kB\nMemAvailable:   40000000 kB\n")
+    (tmp_path / "self").write_text("0::/box/inner\n")
+    monkeypatch.setattr(R, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(R, "SELF_CGROUP", tmp_path / "self")
+    monkeypatch.setattr(R, "CGROUP_FS", fs)
+    assert R.available_memory() == 40000000 * 1024                      # no cgroup limit anywhere
+    (fs / "box" / "inner" / "memory.max").write_text("max\n")
+    (fs / "box" / "memory.max").write_text(f"{8 << 30}\n")
+    (fs / "box" / "memory.current").write_text(f"{3 << 30}\n")
+    assert R.available_memory() == 5 << 30                              # the parent's limit binds
+    monkeypatch.setattr(R, "MEMINFO", tmp_path / "absent")              # no /proc: physical memory, capped
+    assert R.available_memory() == min(physical, 5 << 30)
+    monkeypatch.setattr(R, "SELF_CGROUP", tmp_path / "absent")
+    assert R.available_memory() == physical
 
 
 # ---------------------------------------------------------------- whole model vs transformers
