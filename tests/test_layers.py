@@ -19,7 +19,7 @@ import nanoqwen
 PACKAGE = Path(nanoqwen.__file__).parent
 
 # A layer is a top-level module or subpackage of nanoqwen (codegen, runtime, reference, ...), the package's
-# own __init__ ("nanoqwen"), or a third-party top-level package (cuda: the CUDA Python bindings).
+# own __init__, or a third-party top-level package (cuda: the CUDA Python bindings).
 CUDA = ("cuda", "codegen", "runtime")
 FORBIDDEN: dict[str, tuple[str, ...]] = {       # layer -> layers it must never reach
     "codegen": ("runtime", "bench", "tuning", "cli"),
@@ -73,7 +73,9 @@ def import_graph(root: Path, package: str) -> Graph:
 
 def layer(module: str, package: str) -> str:
     parts = module.split(".")
-    return parts[1] if parts[0] == package and len(parts) > 1 else parts[0]
+    if parts[0] != package:
+        return parts[0]
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def internal(graph: Graph) -> dict[str, set[str]]:
@@ -201,7 +203,8 @@ def test_checker_passes_a_clean_package(tmp_path):
     g = import_graph(tmp_path / "pkg", "pkg")
     assert g["pkg.high"] == {"pkg.low": "pkg/high.py:1"}
     assert find_cycle(internal(g)) is None and violations(g, "pkg", {"low": ("high",)}) == []
-    assert render(g, "pkg").splitlines() == ["0  low   <- -", "0  pkg   <- -", "1  high  <- low"]
+    assert render(g, "pkg").splitlines() == ["0  __init__  <- -", "0  low       <- -",
+                                            "1  high      <- low"]
 
 
 if __name__ == "__main__":
