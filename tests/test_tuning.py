@@ -12,7 +12,8 @@ from nanoqwen import config
 from nanoqwen.cli import tune as tune_cli
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
-from nanoqwen.codegen import tuned, tuned_store
+from nanoqwen.codegen import tuned
+from nanoqwen.codegen import tuned_store as store
 from nanoqwen.tuning import space
 
 CFG = config.default()
@@ -33,11 +34,11 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
 @pytest.fixture
 def tmp_store(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
-    monkeypatch.setattr(tuned_store, "TUNED_PATH", path)
-    tuned_store.lookup_params.cache_clear()
+    monkeypatch.setattr(store, "TUNED_PATH", path)
+    store.lookup_params.cache_clear()
     tuned._notice_once.cache_clear()
     yield path
-    tuned_store.lookup_params.cache_clear()
+    store.lookup_params.cache_clear()
 
 
 def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
@@ -46,18 +47,18 @@ def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
     assert tuned.role_spec("qkv", QWEN25_7B, CFG, gpu) == default
     assert "no tuned qkv GEMV for Test GPU" in capsys.readouterr().err
     key = tuned.entry_key("qkv", QWEN25_7B, CFG, gpu)
-    tuned_store.merge_write({key: {"params": {"rows": 2, "lanes": 32, "warps": 4}}}, {"gpu": gpu}, tmp_store)
+    store.merge_write({key: {"params": {"rows": 2, "lanes": 32, "warps": 4}}}, {"gpu": gpu}, tmp_store)
     spec = tuned.role_spec("qkv", QWEN25_7B, CFG, gpu)
     assert (spec.rows, spec.lanes, spec.warps) == (2, 32, 4) and spec != default
     assert spec in tuned.tuned_specs(QWEN25_7B, CFG)
-    tuned_store.merge_write({key: {"params": {"rows": 3}}}, {}, tmp_store)    # rows 3 is impossible
+    store.merge_write({key: {"params": {"rows": 3}}}, {}, tmp_store)          # rows 3 is impossible
     assert tuned.role_spec("qkv", QWEN25_7B, CFG, gpu) == default
     assert "stale tuned entry" in capsys.readouterr().err
 
 
 def test_merge_keeps_other_entries_and_leaves_no_temp_files(tmp_store):
-    tuned_store.merge_write({"a": {"params": {}}}, {"gpu": "x"}, tmp_store)
-    tuned_store.merge_write({"b": {"params": {}}}, {"gpu": "y"}, tmp_store)
+    store.merge_write({"a": {"params": {}}}, {"gpu": "x"}, tmp_store)
+    store.merge_write({"b": {"params": {}}}, {"gpu": "y"}, tmp_store)
     data = json.loads(tmp_store.read_text())
     assert set(data["entries"]) == {"a", "b"} and data["meta"]["gpu"] == "y"
     assert [p.name for p in tmp_store.parent.iterdir()] == ["tuned.json"]
@@ -66,8 +67,8 @@ def test_merge_keeps_other_entries_and_leaves_no_temp_files(tmp_store):
 def test_unknown_format_is_a_clear_error(tmp_path):
     p = tmp_path / "tuned.json"
     p.write_text(json.dumps({"meta": {"format": 99}, "entries": {}}))
-    with pytest.raises(tuned_store.StoreError, match="unknown format"):
-        tuned_store.load(p)
+    with pytest.raises(store.StoreError, match="unknown format"):
+        store.load(p)
 
 
 @pytest.mark.parametrize("argv,msg", [(["--kernels", "attention"], "no tuner for attention"),

@@ -1,6 +1,6 @@
 """Tuned results: parameters (never binaries) per (GPU, arch, family, role, shape), with a metadata block,
-merged and written atomically. Data of the codegen level: codegen/tuned.py reads them at startup (a
-missing or stale entry falls back to the config defaults with a notice); the sweep (tuning/) writes them."""
+merged and written atomically. The codegen reads them at startup; a missing or stale entry falls back to
+the config defaults with a notice."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import numpy as np
 from .. import ROOT, codegen, config
 from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase
-from ..codegen import tuned, tuned_store
+from ..codegen import tuned
+from ..codegen import tuned_store as store
 from ..dims import ModelDims
 from ..runtime import driver
 from . import space
@@ -96,8 +97,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print)
     blocker.free()
     stream.close()
     if entries:
-        tuned_store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu,
-                                          "commit": kbench.git_commit()})
+        store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()})
     return summary
 
 
