@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 
-from nanoqwen.backends import cuda_available
-
 settings.register_profile("nanoqwen", deadline=None, max_examples=60)
 settings.load_profile("nanoqwen")
 
@@ -30,6 +28,7 @@ def fresh_build(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    from nanoqwen.backends import cuda_available   # not at the top: conftest loads before the run is configured
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")
