@@ -102,6 +102,8 @@ def humaneval(args) -> int:
     if args.out:
         _write_json(args.out, report)
     print(he.table(report))
+    for applied in report["config"]["sandbox"]["applied"]:
+        print(f"sandbox: network {applied.get('network', '?')}; user {applied.get('user', '?')}")
     return 0
 
 

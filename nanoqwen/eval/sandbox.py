@@ -1,9 +1,9 @@
 """Run untrusted Python (a model's completion plus its tests) and say whether it exited cleanly.
 
 Each program gets its own interpreter (`python -I`: no user site, no PYTHON* variables, no cwd on the path)
-in a fresh temporary working directory, stdin closed, stdout discarded, a minimal environment, and its own
-session (so its own process group). A small bootstrap runs inside that interpreter before the program and
-confines it:
+in a fresh temporary working directory, stdin at end of file (/dev/null: a really closed fd 0 would be
+reused by the program's first open), stdout discarded, a minimal environment, and its own session (so its
+own process group). A small bootstrap runs inside that interpreter before the program and confines it:
 
 1. no network: an empty network namespace (not even loopback is up) via unshare(CLONE_NEWNET), entered
    through a new user namespace (CLONE_NEWUSER) when not root. Where the OS refuses (unprivileged user
@@ -73,6 +73,22 @@ if os.getuid() == 0:
         applied["user"] = "root (cannot change uid: %s)" % e.strerror
 else:
     applied["user"] = "caller"
+if applied["user"] == "caller" and not applied["network"].startswith("none"):
+    # no user namespace of its own: RLIMIT_NPROC counts every task (thread) of the caller's uid, so the
+    # limit is what runs now plus the sandbox's own allowance
+    running = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue  # the sandbox's own process is part of its allowance
+        try:
+            with open("/proc/%s/status" % pid) as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[0]) == os.getuid():
+                running += int(status["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    cfg["rlimits"]["RLIMIT_NPROC"] += running
+    applied["processes"] = "%d beyond the caller's %d running" % (cfg["rlimits"]["RLIMIT_NPROC"] - running, running)
 for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
 sys.stderr.write("sandbox: " + json.dumps(applied) + "\n")
