@@ -95,8 +95,7 @@ sys.stderr.write("sandbox: " + json.dumps(applied) + "\n")
 sys.stderr.flush()
 with open(sys.argv[2], encoding="utf-8") as f:
     source = f.read()
-del cfg, libc, applied, unshare, f
-try:
+try:  # in a namespace of its own: nothing of the bootstrap is visible to the program
     exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
 except BaseException:
     traceback.print_exc()
@@ -184,11 +183,13 @@ def _kill_stragglers(work: str, uid: int | None) -> None:
 
 
 def _stderr_summary(f) -> tuple[dict, str]:
+    """(what the bootstrap applied, the last non-empty line): only the head and the tail are read, since
+    the program may have written up to RLIMIT_FSIZE."""
     f.seek(0)
+    head = f.readline(4096).decode("utf-8", "replace")
+    applied = json.loads(head[len("sandbox: "):]) if head.startswith("sandbox: ") and head.endswith("\n") else {}
+    f.seek(max(f.seek(0, os.SEEK_END) - 8192, len(head.encode()) if applied else 0))
     lines = f.read().decode("utf-8", "replace").splitlines()
-    applied = {}
-    if lines and lines[0].startswith("sandbox: "):
-        applied = json.loads(lines.pop(0)[len("sandbox: "):])
     last = next((line.strip() for line in reversed(lines) if line.strip()), "")
     return applied, last[:300]
 
