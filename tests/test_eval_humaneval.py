@@ -213,6 +213,8 @@ def test_server_end_to_end(capsys, tmp_path, fake_server, chat):
     assert report["config"]["source"] == {"kind": "server", "label": "fake-coder", "url": fake_server,
                                           "model": "fake-coder"}
     assert report["config"]["prompt_format"] == ("chat" if chat else "completion")
+    expected_code = [(p["prompt"] if chat else "") + p["canonical_solution"] for p in PROBLEMS[:5]]
+    assert [p["code"] for p in report["problems"]] == expected_code, "the stop sequences / fence were not cut"
     assert "fake-coder" in stdout and "1.0000" in stdout and err.count("HumanEval/") == 5
     paths = {path for path, _ in FakeOpenAI.requests}
     assert paths == {"/v1/chat/completions" if chat else "/v1/completions"}

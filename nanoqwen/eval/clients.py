@@ -107,7 +107,8 @@ class ServerSource:
         # servers without authentication ignore the key; the client insists on one
         self.client = openai.OpenAI(base_url=base, api_key=os.environ.get("OPENAI_API_KEY") or "none",
                                     timeout=timeout_s, max_retries=1)
-        self.model = model or self._call(lambda: self.client.models.list().data[0].id, "GET /v1/models")
+        self.model = model or self._call(lambda: self.client.models.list().data[0].id,
+                                         "GET /v1/models (or name the model with --server-model)")
         self.description = {"kind": "server", "label": self.model, "url": url, "model": self.model}
 
     def _call(self, fn, what: str):

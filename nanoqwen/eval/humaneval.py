@@ -66,9 +66,14 @@ def extract_code(reply: str) -> str:
     return m.group(1) if m else reply
 
 
+def scored_code(text: str, chat: bool) -> str:
+    """The part of a completion that is executed (what to compare across runtimes)."""
+    return extract_code(text) if chat else truncate(text)
+
+
 def program(problem: dict, text: str, chat: bool) -> str:
     """The Python program whose clean exit means the problem is solved."""
-    body = "\n" + extract_code(text) if chat else truncate(text)
+    body = ("\n" if chat else "") + scored_code(text, chat)
     return f"{problem['prompt']}{body}\n{problem['test']}\ncheck({problem['entry_point']})\n"
 
 
@@ -133,7 +138,7 @@ def evaluate(problems: list[dict], source, chat: bool, max_tokens: int, limits: 
         report.problems.append({"task_id": problem["task_id"], "status": outcome.status,
                                 "exec_s": round(outcome.seconds, 3), "detail": outcome.detail,
                                 "tokens": completion.tokens, "gen_s": round(completion.seconds, 3),
-                                "completion": completion.text})
+                                "code": scored_code(completion.text, chat), "completion": completion.text})
         if outcome.applied not in report.isolation:
             report.isolation.append(outcome.applied)
     return report

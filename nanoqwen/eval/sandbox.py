@@ -154,10 +154,11 @@ def _belongs(pid: str, work: str, uid: int | None) -> bool:
     if uid is not None:
         with open(f"/proc/{pid}/status") as f:
             return any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
+    inside = work + os.sep
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if work.encode() in f.read():
+        if inside.encode() in f.read():
             return True
-    return os.readlink(f"/proc/{pid}/cwd").startswith(work)
+    return (os.readlink(f"/proc/{pid}/cwd") + os.sep).startswith(inside)
 
 
 def _kill_stragglers(work: str, uid: int | None) -> None:
