@@ -146,11 +146,24 @@ def test_network_is_cut_where_the_os_allows(tmp_path):
         assert "unreachable" in out.detail.lower() or "refused" in out.detail.lower(), out.detail
 
 
+def test_filesystem_is_read_only_but_its_directory(tmp_path):
+    """Writing beside its own directory (in the test's tmp_path, which this user may write) fails exactly
+    when the report says the filesystem is read-only (on this machine it is: namespaces are allowed)."""
+    out = run(f"open({str(tmp_path / 'outside.txt')!r}, 'w').write('x')\nopen('inside.txt', 'w').write('x')\n",
+              tmp_path)
+    if out.applied["filesystem"].startswith("read-only"):
+        assert out.status == "fail" and "Read-only file system" in out.detail, out.detail
+    else:
+        assert out.status == "pass" and "refused" in out.applied["filesystem"], (out.applied, out.detail)
+    out = run("open('inside.txt', 'w').write('x')\n", tmp_path)
+    assert out.status == "pass", out.detail
+
+
 def test_never_root(tmp_path):
     """Started as root, the program runs as a uid of its own that cannot become root or write system files."""
     out = run("import os\n"
               "try:\n    os.setuid(0)\nexcept PermissionError:\n    pass\nelse:\n    raise SystemExit('became root')\n"
-              "try:\n    open('/etc/nanoqwen-sandbox-probe', 'w')\nexcept PermissionError:\n    pass\n"
+              "try:\n    open('/etc/nanoqwen-sandbox-probe', 'w')\nexcept OSError:  # EACCES, or EROFS\n    pass\n"
               "else:\n    raise SystemExit('wrote /etc')\n", tmp_path)
     if os.getuid() != 0:
         assert out.status == "pass" and out.applied["user"] == "caller", (out.detail, out.applied)

@@ -21,8 +21,8 @@ from .. import NanoqwenError, __version__
 from ..backends import BACKENDS
 
 REFUSAL = ("refusing to run: HumanEval scores a model by executing the code it generates; pass --allow-exec "
-           "to run each completion in the sandbox (own process, CPU/memory/process limits, no network where "
-           "the OS allows)")
+           "to run each completion in the sandbox (own process, CPU/memory/process limits, no network and a "
+           "read-only filesystem where the OS allows)")
 
 
 def add_arguments(p) -> None:
@@ -103,7 +103,7 @@ def humaneval(args) -> int:
         _write_json(args.out, report)
     print(he.table(report))
     for applied in report["config"]["sandbox"]["applied"]:
-        print(f"sandbox: network {applied.get('network', '?')}; user {applied.get('user', '?')}")
+        print("sandbox: " + "; ".join(f"{k} {v}" for k, v in applied.items()))
     return 0
 
 

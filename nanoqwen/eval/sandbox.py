@@ -7,11 +7,15 @@ own process group). A small bootstrap runs inside that interpreter before the pr
 
 1. no network: an empty network namespace (not even loopback is up) via unshare(CLONE_NEWNET), entered
    through a new user namespace (CLONE_NEWUSER) when not root. Where the OS refuses (unprivileged user
-   namespaces disabled, no Linux) it runs on the host network and its report says so.
-2. started as root: become a uid of its own that owns no files and no other process (RLIMIT_NPROC binds
+   namespaces disabled) it runs on the host network and its report says so.
+2. a read-only filesystem but its working directory: a mount namespace of its own (mounts made private
+   first, so nothing propagates to the host) where every mount is made read-only (mount_setattr,
+   recursive) except the working directory, bound onto itself. Where refused, its report says so.
+3. started as root: become a uid of its own that owns no files and no other process (RLIMIT_NPROC binds
    no root process), keeping only CAP_DAC_READ_SEARCH (read, never write) so an interpreter installed
-   under a private home such as /root still starts.
-3. setrlimit, soft = hard so the program cannot raise them: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC,
+   under a private home such as /root still starts. Without that capability, an interpreter only root can
+   read keeps the program root, and its report says so.
+4. setrlimit, soft = hard so the program cannot raise them: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC,
    RLIMIT_FSIZE, RLIMIT_CORE 0. NPROC counts processes per (user namespace, uid), so with its own uid or
    its own user namespace each sandbox counts only its own processes, however many run in parallel.
 
@@ -46,10 +50,13 @@ cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 applied = {}
 
-def unshare(flags):  # os.unshare exists from Python 3.12 only
-    if libc.unshare(flags) != 0:
+def check(rc):
+    if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+def unshare(flags):  # os.unshare exists from Python 3.12 only
+    check(libc.unshare(flags))
 
 NEWUSER, NEWNET = 0x10000000, 0x40000000
 try:
@@ -59,6 +66,25 @@ try:
     applied["network"] = "none (own network namespace)"
 except OSError as e:
     applied["network"] = "host (unshare refused: %s)" % e.strerror
+
+def read_only_but_here():
+    # a mount namespace of its own (needs the capabilities that root, or the new user namespace, has now)
+    # in which every mount is read-only but the working directory, bound onto itself to be a mount of its own
+    here = os.getcwd().encode()
+    unshare(0x00020000)  # CLONE_NEWNS
+    check(libc.mount(None, b"/", None, 0x4000 | 0x40000, None))  # MS_REC | MS_PRIVATE: nothing leaks out
+    check(libc.mount(here, here, None, 0x1000, None))  # MS_BIND
+    for path, recursive, attr_set, attr_clr in ((b"/", 0x8000, 1, 0), (here, 0, 0, 1)):  # MOUNT_ATTR_RDONLY
+        attr = (ctypes.c_uint64 * 4)(attr_set, attr_clr, 0, 0)
+        check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path),  # mount_setattr,
+                           ctypes.c_long(recursive), attr, ctypes.c_long(32)))  # AT_FDCWD, AT_RECURSIVE
+    os.chdir(here)  # the old working directory lies under the bind mount, on the read-only copy
+
+try:
+    read_only_but_here()
+    applied["filesystem"] = "read-only but its directory (own mount namespace)"
+except OSError as e:
+    applied["filesystem"] = "writable where its user may write (mount namespace refused: %s)" % e.strerror
 
 
 def can_read_interpreter_without_root():
