@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "inspect": ("nanoqwen.cli.inspect", "print a .nanoqwen header and tensor table; --verify checksums"),
     "run": ("nanoqwen.cli.run", "generate text"),
     "bench": ("nanoqwen.cli.bench", "benchmarks (pp512/tg128 protocol, --kernels for GEMV bandwidth)"),
+    "eval": ("nanoqwen.cli.eval", "score a model or an OpenAI-compatible server (humaneval pass@1, sandboxed)"),
 }
 
 
