@@ -40,6 +40,7 @@ class MixedSpec(KernelSpec):
     family = "mixed"
     template = "copy.cu.j2"
     uri_fields = ("threads", "name", "fast", "tile")
+    kernel_params = CopySpec.kernel_params
 
     threads: int = 128
     name: str = "a-b"

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
 # ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
@@ -31,9 +31,9 @@ class AttentionDecodeSpec(KernelSpec):
     template = "attention_decode.cu.j2"
     uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps")
     # Kernel parameters in template order: (name, kind) for driver.Function.launch.
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("state", "ptr"), ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"),
-        ("part_acc", "ptr"), ("part_ml", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("state", "int"), inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"),
+        inp("page_table", "int"), out("part_acc", "float"), out("part_ml", "float"))
 
     head_dim: int
     kv_heads: int
@@ -91,7 +91,8 @@ class AttentionCombineSpec(KernelSpec):
     family = "attention_combine"
     template = "attention_combine.cu.j2"
     uri_fields = ("head_dim", "heads", "splits")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (("part_acc", "ptr"), ("part_ml", "ptr"), ("o16", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"))
 
     head_dim: int
     heads: int
@@ -113,9 +114,9 @@ class RopeAppendSpec(KernelSpec):
     family = "rope_append"
     template = "rope_append.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("state", "ptr"), ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"),
-        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("state", "int"), inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"),
+        inp("page_table", "int"), out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"))
 
     head_dim: int
     heads: int

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+from ..spec import KernelSpec, Launch, MAX_SMEM, Param, SpecError, inp, out, scalar
 
 
 def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
@@ -37,9 +37,9 @@ class RopeAppendPrefillSpec(KernelSpec):
     family = "rope_append_prefill"
     template = "rope_append_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"), ("q_rot", "ptr"),
-        ("k_pool", "ptr"), ("v_pool", "ptr"), ("p0", "i32"), ("n", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"), inp("page_table", "int"),
+        out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"), scalar("p0", "int"), scalar("n", "int"))
 
     head_dim: int
     heads: int
@@ -63,9 +63,9 @@ class AttentionPrefillSpec(KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"), ("o16", "ptr"),
-        ("p0", "i32"), ("n", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"), inp("page_table", "int"),
+        out("o16", "f16"), scalar("p0", "int"), scalar("n", "int"))
 
     head_dim: int
     heads: int

@@ -4,8 +4,9 @@ quotes the H200's copy bandwidth), and the smallest real kernel for the codegen'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..spec import KernelSpec, Launch, SpecError
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class CopySpec(KernelSpec):
     family = "copy"
     template = "copy.cu.j2"
     uri_fields = ("threads", "unroll")
+    kernel_params: ClassVar[tuple[Param, ...]] = (inp("src", "uint4"), out("dst", "uint4"), scalar("n16", "u64"))
 
     threads: int = 256   # threads per block
     unroll: int = 4      # 16-byte loads in flight per thread before the first store

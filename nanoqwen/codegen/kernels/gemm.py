@@ -15,7 +15,7 @@ lets X be streamed by cp.async straight from global memory.
 ``split_k`` > 1 (residual only) spreads K over grid z with atomic fp32 adds into y: o_proj and down have
 only N/bn x M/bm CTAs (112 at M=512 on 132 SMs).
 
-Kernel parameters, in order (``signature``; unused pointers may be 0):
+Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 ``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
 ``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
 ``stages * (bm*bk*2 + bn*bk/2)`` bytes (> 48 KB: the driver raises the function's limit)."""
@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+from ..spec import KernelSpec, Launch, MAX_SMEM, Param, SpecError, inp, out, scalar
 
 EPILOGUES = ("f32", "residual", "swiglu", "f16")
 
@@ -37,9 +37,9 @@ class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
     template = "gemm_int4.cu.j2"
     uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("x", "ptr"), ("w", "ptr"), ("s", "ptr"), ("w2", "ptr"), ("s2", "ptr"), ("bias", "ptr"),
-        ("y", "ptr"), ("m", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("x", "f16"), inp("w", "u32"), inp("s", "f16"), inp("w2", "u32"), inp("s2", "f16"), inp("bias", "f16"),
+        out("y", "void"), scalar("m", "int"))
 
     n: int                   # GEMM columns (weight rows; 2 x intermediate for swiglu)
     k: int                   # reduction length (weight row length)
@@ -128,7 +128,8 @@ class RmsnormPrefillSpec(KernelSpec):
     family = "rmsnorm_prefill"
     template = "rmsnorm_prefill.cu.j2"
     uri_fields = ("hidden", "threads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (("h", "ptr"), ("w", "ptr"), ("xn", "ptr"), ("m", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("h", "float"), inp("w", "f16"), out("xn", "f16"), scalar("m", "int"))
 
     hidden: int
     eps: float

@@ -2,7 +2,7 @@
 (templates/lm_head_argmax.cu.j2): the last kernel of a decode step and the largest one (7B: 1.09 GB of
 fp16 weights per token, ~260 us at 4.2 TB/s).
 
-Kernel parameters, in order (``signature``):
+Kernel parameters, in order (``kernel_params``):
   h            fp32 [hidden] residual stream (read after pdl_wait)
   norm_w       fp16 [hidden] final norm weight (model.norm.weight)
   lm_head      fp16 [vocab, hidden] (lm_head.weight, or the embedding table when tied)
@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 ERR_NO_FINITE_LOGIT = 2   # *err bit: every logit was NaN (state[0] = 0)
 ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not written)
@@ -48,10 +48,10 @@ class LmHeadArgmaxSpec(KernelSpec):
     family = "lm_head_argmax"
     template = "lm_head_argmax.cu.j2"
     uri_fields = ("vocab", "hidden", "warps", "rows_per_warp", "unroll", "ctas")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("h", "ptr"), ("norm_w", "ptr"), ("lm_head", "ptr"), ("logits", "ptr"), ("state", "ptr"),
-        ("tokens_out", "ptr"), ("tokens_cap", "u32"), ("partials", "ptr"), ("argmax_done", "ptr"),
-        ("err", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("h", "float4", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("norm_w", "uint2"), inp("lm_head", "uint4"),
+        out("logits", "float", note="or 0 to skip it"), out("state", "int"), out("tokens_out", "int"),
+        scalar("tokens_cap", "u32"), out("partials", "u64"), out("argmax_done", "u32"), out("err", "u32"))
 
     hidden: int                 # K: model hidden size
     vocab: int                  # N: lm_head rows
