@@ -13,6 +13,7 @@ import pytest
 
 from nanoqwen import codegen, config
 from nanoqwen.codegen import resources
+from nanoqwen.codegen.gpu import DEFAULT as DEFAULT_GPU
 from nanoqwen.codegen.kernels import attention as A
 from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B
@@ -73,7 +74,7 @@ def test_specs_for_model_fill_the_device():
     assert comb.splits == dec.splits and comb.heads == 28
     assert rope.launch().grid == (32, 1, 1) and rope.launch().block == (64, 1, 1)
     assert A.partial_bytes(dec) == (28 * 33 * 128 * 4, 28 * 33 * 2 * 4)
-    assert A.decode_specs(tiny_dims(), CFG)[1].splits == CFG.attention.target_ctas
+    assert A.decode_specs(tiny_dims(), CFG)[1].splits == CFG.attention.ctas_per_sm * DEFAULT_GPU.sm_count
 
 
 @pytest.mark.parametrize("kw,match", [

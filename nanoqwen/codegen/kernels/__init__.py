@@ -13,8 +13,8 @@ Adding a family:
    or tuples of them, defaults allowed); ``validate()`` calls ``super().validate()`` then raises SpecError
    naming the field for impossible combinations; ``launch()`` returns ``Launch(grid, block, smem)``.
 3. If the model needs it, the module defines
-       def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]
-   (called once per module by ``codegen.plan.model_kernels``; tests/test_kernels_compile.py then compiles
+       def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]
+   (the GPU's SM count and shared memory come from ``gpu``, never from constants; called once per module by ``codegen.plan.model_kernels``; tests/test_kernels_compile.py then compiles
    every spec it returns for the 7B and the test model and asserts no spills and no local memory).
 4. One line in FAMILIES below. ``nanoqwen-gen list`` / ``emit <family> --param k=v`` work at once."""
 
@@ -52,6 +52,11 @@ def family(name: str) -> type[KernelSpec]:
     except AttributeError:
         raise SpecError(f"kernels/__init__.py registers {name} as {target}, but kernels/{mod_name}.py "
                         f"defines no {cls}") from None
+
+
+def from_params(name: str, **kv) -> KernelSpec:
+    """The registered family's spec built from keyword values (text values are coerced per field)."""
+    return family(name).from_params(**kv)
 
 
 def modules() -> list[str]:

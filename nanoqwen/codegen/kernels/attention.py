@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
+from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
@@ -135,9 +136,9 @@ class RopeAppendSpec(KernelSpec):
         return Launch(grid=(self.heads + self.kv_heads, 1, 1), block=(self.head_dim // 2, 1, 1))
 
 
-def splits_for(kv_heads: int, target_ctas: int) -> int:
-    """Sequence splits so that kv_heads x splits fills ``target_ctas`` CTAs (one wave)."""
-    return max(1, target_ctas // kv_heads)
+def splits_for(kv_heads: int, ctas: int) -> int:
+    """Sequence splits so that kv_heads x splits fills ``ctas`` CTAs (one wave)."""
+    return max(1, ctas // kv_heads)
 
 
 def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
@@ -146,15 +147,16 @@ def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
     return rows * spec.head_dim * 4, rows * 2 * 4
 
 
-def decode_specs(dims: ModelDims, cfg: Config) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
+def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+                 ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
     """The three attention-side kernels of one decode step, in launch order."""
     a, page = cfg.attention, cfg.kv_cache.page_size
-    splits = splits_for(dims.kv_heads, a.target_ctas)
+    splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
                                 page_size=page, stages=a.stages, consumer_warps=a.consumer_warps),
             AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits))
 
 
-def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
-    return list(decode_specs(dims, cfg))
+def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
+    return list(decode_specs(dims, cfg, gpu))

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
+from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 ERR_TOKEN_RANGE = 1  # *err bit set by the embed kernel: state[0] was not a valid token id
@@ -53,5 +54,5 @@ class EmbedSpec(KernelSpec):
         return Launch(grid=(-(-self.hidden // 8 // self.threads), 1, 1), block=(self.threads, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return [EmbedSpec(hidden=dims.hidden, vocab=dims.vocab, threads=cfg.embed.threads)]

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
+from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 from .embed import ERR_TOKEN_RANGE
 
@@ -60,5 +61,5 @@ class EmbedPrefillSpec(KernelSpec):
         return Launch(grid=(-(-self.hidden // 8 // self.threads), n, 1), block=(self.threads, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return [EmbedPrefillSpec(hidden=dims.hidden, vocab=dims.vocab, threads=cfg.embed.threads)]

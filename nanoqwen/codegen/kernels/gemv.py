@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ... import config
 from ...dims import ModelDims
+from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
@@ -213,7 +214,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **ov
     return spec
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
     dims.check_quantizable(cfg.quant.group_size)
     return [role_spec(role, dims, cfg) for role in ROLES]
 

@@ -30,6 +30,7 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
+from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 ERR_NO_FINITE_LOGIT = 2   # *err bit: every logit was NaN (state[0] = 0)
@@ -55,11 +56,11 @@ class LmHeadArgmaxSpec(KernelSpec):
 
     hidden: int                 # K: model hidden size
     vocab: int                  # N: lm_head rows
+    ctas: int                   # persistent grid size (config lm_head.ctas_per_sm x the GPU's SMs)
     eps: float = 1e-6           # final RMSNorm epsilon (dims.rms_eps)
     warps: int = 8              # warps per CTA
     rows_per_warp: int = 1      # rows one warp reduces together
     unroll: int = 14            # 16-byte loads per lane per row in flight before the first FMA (<= lane_vecs)
-    ctas: int = 264             # persistent grid size
 
     @property
     def partials_bytes(self) -> int:
@@ -100,8 +101,8 @@ class LmHeadArgmaxSpec(KernelSpec):
         return Launch(grid=(self.ctas, 1, 1), block=(32 * self.warps, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     lm = cfg.lm_head
     return [LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
                              rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
-                             ctas=lm.ctas)]
+                             ctas=lm.ctas_per_sm * gpu.sm_count)]
