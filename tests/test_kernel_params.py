@@ -102,3 +102,15 @@ def test_scalar_kinds_and_bad_declarations():
         kernel_params = CopySpec.kernel_params + CopySpec.kernel_params[:1]
     with pytest.raises(SpecError, match="repeats a name"):
         Twice().validate()
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.family in ("gemv_int4", "lm_head_argmax")][:3],
+                         ids=lambda s: s.uri)
+def test_function_launch_refuses_before_touching_the_driver(spec):
+    """The runtime's call shape fn.launch(spec.launch(), stream, pdl, **args): a wrong argument set raises
+    from the packing, before any driver call (the handle here is not even a real function)."""
+    fn = driver.Function(None, spec.entry, spec.signature, spec.uri)
+    args = _good_args(spec)
+    args.pop(spec.signature[0][0])
+    with pytest.raises(driver.CudaError, match=rf"{spec.uri}: .*missing \['{spec.signature[0][0]}'\]"):
+        fn.launch(spec.launch(), None, True, **args)

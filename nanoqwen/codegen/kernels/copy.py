@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..gpu import DEFAULT
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 
@@ -18,7 +19,7 @@ class CopySpec(KernelSpec):
 
     threads: int = 256   # threads per block
     unroll: int = 4      # 16-byte loads in flight per thread before the first store
-    blocks: int = 1056   # grid size (8 per SM on 132 SMs); the kernel grid-strides over the buffer
+    blocks: int = 8 * DEFAULT.sm_count   # grid size (8 CTAs per SM); the kernel grid-strides over the buffer
 
     def validate(self) -> None:
         super().validate()
