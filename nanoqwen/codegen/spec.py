@@ -65,13 +65,15 @@ _SCALAR_KINDS = {"int": "i32", "u32": "u32", "u64": "u64", "float": "f32"}
 
 @dataclass(frozen=True)
 class Param:
-    """One kernel parameter. ``ctype`` is the pointee type of a pointer, or the scalar's own type."""
+    """One kernel parameter. ``ctype`` is the pointee type of a pointer, or the scalar's own type.
+    ``restrict`` (__restrict__) is off for data the previous kernel wrote: a .nc load of it could be
+    hoisted above griddepcontrol.wait (common.cuh ld_act_*)."""
     name: str
     ctype: str
     pointer: bool = True
     const: bool = True        # pointer to const: the kernel only reads through it
-    restrict: bool = True     # __restrict__; off for data the previous kernel wrote (a .nc load could be
-    note: str = ""            # hoisted above griddepcontrol.wait), see common.cuh ld_act_*
+    restrict: bool = True
+    note: str = ""            # a comment after the declaration in the generated source
 
     def __post_init__(self):
         if not self.pointer and self.ctype not in _SCALAR_KINDS:
@@ -94,6 +96,8 @@ class Param:
     def null_constant(self) -> str:
         """A variant that does not take this pointer sees it as a null constant, so one kernel body
         compiles for every variant (its ``if constexpr`` branches never read it)."""
+        if not self.pointer:
+            raise SpecError(f"kernel parameter {self.name}: only a pointer can be absent from a variant")
         return f"constexpr {'const ' if self.const else ''}{self.ctype}* {self.name} = nullptr;"
 
 
@@ -116,6 +120,7 @@ class KernelSpec:
     family: ClassVar[str]
     template: ClassVar[str]            # file name inside templates/
     uri_fields: ClassVar[tuple[str, ...]] = ()   # fields shown in the readable URI, in this order
+    kernel_params: ClassVar[tuple[Param, ...]]   # in C++ order; a property where variants differ
 
     # ---- subclass hooks ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -133,8 +138,6 @@ class KernelSpec:
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise SpecError(f"{type(self).__name__}.kernel_params repeats a name: {names}")
-
-    kernel_params: ClassVar[tuple[Param, ...]]   # in C++ order; a property where variants differ
 
     def context(self) -> dict:
         """Template variables: every field, plus ``entry`` (the extern "C" name), ``spec_repr`` and
@@ -285,10 +288,10 @@ def coerce(family: str, name: str, tp, text: str):
 
 def parse_params(items) -> dict[str, str]:
     """["k=v", ...] -> {k: v} (values stay text; from_params coerces them per field)."""
-    out = {}
+    parsed = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise SpecError(f"parameter {item!r} is not of the form name=value")
-        out[key.strip()] = value.strip()
-    return out
+        parsed[key.strip()] = value.strip()
+    return parsed

@@ -295,8 +295,8 @@ class HostBuffer:
 
 # ---- modules, functions, typed launches --------------------------------------------------------
 
-# A kernel parameter's kind (codegen Param.kind, from the spec's one declaration) -> the numpy type of
-# its value and the range a Python int must lie in.
+# _KINDS: a kernel parameter's kind (codegen Param.kind, from the spec's one declaration) -> the numpy
+# type of its value; _RANGES: the Python ints each integer kind accepts.
 _KINDS = {"ptr": np.uint64, "u64": np.uint64, "i32": np.int32, "u32": np.uint32, "f32": np.float32}
 _RANGES = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
 
@@ -326,6 +326,7 @@ def _pack_value(kind: str, name: str, value, where: str):
 
 
 def check_signature(signature, where: str) -> tuple[tuple[str, str], ...]:
+    """``signature`` as a tuple of (name, kind) pairs; an unknown kind is a CudaError naming the parameter."""
     signature = tuple(tuple(p) for p in signature)
     for name, kind in signature:
         if kind not in _KINDS:
