@@ -150,7 +150,10 @@ class GemvInt4Spec(KernelSpec):
         if loads > 32:
             raise SpecError(f"{f}: {loads} 16-byte loads in flight per lane (mats*rows*unroll) exceed 32: "
                             f"the registers would spill")
-        self.launch()   # the grid within the CUDA limits
+        try:
+            self.launch()   # the grid within the CUDA limits
+        except SpecError as e:
+            raise SpecError(f"{f}: {e}") from None
 
     def context(self) -> dict:
         absent = [p.null_constant() for p, taken in self._family_params() if not taken]
