@@ -62,7 +62,7 @@ class KVCache:
 
 @dataclass(frozen=True)
 class Attention:
-    target_ctas: int
+    ctas_per_sm: int
     stages: int
     consumer_warps: int
 
@@ -77,7 +77,7 @@ class LmHead:
     warps: int
     rows_per_warp: int
     unroll: int
-    ctas: int
+    ctas_per_sm: int
 
 
 @dataclass(frozen=True)

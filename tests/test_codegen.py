@@ -16,10 +16,10 @@ from hypothesis import given, strategies as st
 
 from nanoqwen import ROOT, codegen
 from nanoqwen.cli import gen
-from nanoqwen.codegen import cache, nvrtc, resources
-from nanoqwen.codegen.kernels import FAMILIES, family
+from nanoqwen.codegen import cache, gpu, nvrtc, resources
+from nanoqwen.codegen.kernels import FAMILIES, family, from_params
 from nanoqwen.codegen.kernels.copy import CopySpec
-from nanoqwen.codegen.spec import KernelSpec, Launch, SpecError, from_params, parse_params
+from nanoqwen.codegen.spec import KernelSpec, Launch, SpecError, parse_params
 from nanoqwen.config import default
 
 ARCH = default().codegen.arch
@@ -40,6 +40,7 @@ class MixedSpec(KernelSpec):
     family = "mixed"
     template = "copy.cu.j2"
     uri_fields = ("threads", "name", "fast", "tile")
+    kernel_params = CopySpec.kernel_params
 
     threads: int = 128
     name: str = "a-b"
@@ -133,7 +134,7 @@ def test_strict_undefined_names_the_template():
 
 @pytest.mark.parametrize("kw", [dict(grid=(0, 1, 1), block=(32, 1, 1)), dict(grid=(1, 1), block=(32, 1, 1)),
                                 dict(grid=(1, 1, 1), block=(64, 32, 1)), dict(grid=(1, 1, 1), block=(32, 1, 1),
-                                                                              smem=300_000),
+                                                                              smem=-1),
                                 dict(grid=(1, 70000, 1), block=(32, 1, 1))])
 def test_bad_launch_rejected(kw):
     with pytest.raises(SpecError, match="Launch"):
@@ -331,15 +332,40 @@ def test_plan_calls_each_module_once_and_deduplicates(monkeypatch):
     import nanoqwen.codegen.kernels.copy as copy_module
     calls = []
 
-    def hook(dims, cfg):
-        calls.append(dims)
+    def hook(dims, cfg, gpu):
+        calls.append((dims, gpu))
         return [CopySpec(), CopySpec(unroll=2), CopySpec()]
     monkeypatch.setattr(copy_module, "specs_for_model", hook, raising=False)
     from nanoqwen.codegen import kernels
     # two families in one module: its hook still runs once
     monkeypatch.setattr(kernels, "FAMILIES", {"copy": "copy:CopySpec", "copy_alias": "copy:CopySpec"})
     from nanoqwen.dims import QWEN25_7B
-    assert codegen.model_kernels(QWEN25_7B) == [CopySpec(), CopySpec(unroll=2)] and calls == [QWEN25_7B]
+    assert codegen.model_kernels(QWEN25_7B) == [CopySpec(), CopySpec(unroll=2)]
+    assert calls == [(QWEN25_7B, gpu.DEFAULT)]
+
+
+def test_gpu_profile_reaches_the_specs():
+    """SM count and shared-memory limit come from the GPU profile (the device's, or the H200 default on a
+    CPU) and are part of the specs, hence of the cache key."""
+    from nanoqwen.codegen.kernels import attention_prefill, gemm
+    from nanoqwen.dims import QWEN25_7B
+    cfg = default()
+    assert gpu.DEFAULT == gpu.GpuProfile("NVIDIA H200", sm_count=132, max_smem=232448)
+    h100 = gpu.GpuProfile("NVIDIA H100 PCIe", sm_count=114, max_smem=232448)
+    ours, theirs = codegen.model_kernels(QWEN25_7B, cfg), codegen.model_kernels(QWEN25_7B, cfg, h100)
+    split = {s.family: s for s in theirs if s not in ours}
+    assert set(split) == {"attention_decode", "attention_combine", "lm_head_argmax"}
+    assert split["attention_decode"].splits == cfg.attention.ctas_per_sm * 114 // QWEN25_7B.kv_heads
+    assert split["lm_head_argmax"].ctas == cfg.lm_head.ctas_per_sm * 114
+    small = gpu.GpuProfile("small", sm_count=8, max_smem=64 * 1024)
+    with pytest.raises(SpecError, match=r"gemm_int4: 81920 bytes of shared memory > max_smem 65536"):
+        gemm.model_gemms(QWEN25_7B, 128, small)["qkv"].validate()
+    with pytest.raises(SpecError, match=r"attention_prefill: \d+ bytes of shared memory > max_smem 40960"):
+        attention_prefill.prefill_attention_specs(QWEN25_7B, cfg, gpu.GpuProfile("tiny", 8, 40 * 1024))[1].validate()
+
+    class Props:   # the runtime's DeviceProps, duck-typed (codegen does not import the runtime)
+        name, sm_count, max_smem_optin = "NVIDIA H100 PCIe", 114, 232448
+    assert gpu.GpuProfile.from_props(Props()) == h100
 
 
 def test_model_kernels_are_unique_valid_specs():
@@ -401,7 +427,7 @@ def test_gen_picks_model_kernels(capsys, monkeypatch):
     import nanoqwen.codegen.kernels.copy as copy_module
     from nanoqwen.codegen import kernels
     monkeypatch.setattr(kernels, "FAMILIES", {"copy": "copy:CopySpec"})
-    monkeypatch.setattr(copy_module, "specs_for_model", lambda dims, cfg: [CopySpec(unroll=2), CopySpec(unroll=3)],
+    monkeypatch.setattr(copy_module, "specs_for_model", lambda dims, cfg, gpu: [CopySpec(unroll=2), CopySpec(unroll=3)],
                         raising=False)
     rc, out, _ = run_gen(capsys, "emit", "copy", "--model", "7b", "--param", "unroll=3")
     assert rc == 0 and out == codegen.render(CopySpec(unroll=3))

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from nanoqwen import codegen, config
-from nanoqwen.codegen import cache, kernels, resources
+from nanoqwen.codegen import cache, gpu, kernels, resources
 from nanoqwen.dims import QWEN25_7B, ModelDims
 from nanoqwen.codegen import tuned
 
@@ -62,7 +62,7 @@ def test_kernel_compiles_without_spills_or_local_memory(built, model, spec):
     assert r.local_bytes == 0 and r.max_stack == 0, f"{spec.uri}: local memory {r}"
     lt = b.launch
     smem = r.shared_static + lt.smem  # shared_static includes the 1 KB system reservation
-    assert smem <= codegen.spec.MAX_SMEM + resources.SM90_RESERVED_SMEM, f"{spec.uri}: {smem} B shared per block"
+    assert smem <= gpu.DEFAULT.max_smem + resources.SM90_RESERVED_SMEM, f"{spec.uri}: {smem} B shared per block"
     assert r.registers * lt.threads <= 65536, f"{spec.uri}: {r.registers} regs x {lt.threads} threads"
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from nanoqwen import codegen, config
 from nanoqwen.codegen import resources
+from nanoqwen.codegen.gpu import DEFAULT as DEFAULT_GPU
 from nanoqwen.codegen.kernels import embed, lm_head
 from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B
@@ -50,12 +51,12 @@ def _sass_ops(cubin: bytes) -> list[str]:
 
 
 def test_specs_follow_config():
-    lm = CFG.lm_head
+    lm, ctas = CFG.lm_head, CFG.lm_head.ctas_per_sm * DEFAULT_GPU.sm_count   # 2 x 132 on the default H200
     assert (LM7B.hidden, LM7B.vocab, LM7B.eps) == (3584, 152064, 1e-6)
-    assert (LM7B.warps, LM7B.rows_per_warp, LM7B.unroll, LM7B.ctas) == (lm.warps, lm.rows_per_warp, lm.unroll, lm.ctas)
+    assert (LM7B.warps, LM7B.rows_per_warp, LM7B.unroll, LM7B.ctas) == (lm.warps, lm.rows_per_warp, lm.unroll, ctas)
     assert LMTINY.unroll == 1  # hidden 256: one 16-byte vector per lane per row, so unroll is clamped
-    assert LM7B.launch() == codegen.Launch(grid=(lm.ctas, 1, 1), block=(32 * lm.warps, 1, 1))
-    assert LM7B.partials_bytes == 8 * lm.ctas
+    assert LM7B.launch() == codegen.Launch(grid=(ctas, 1, 1), block=(32 * lm.warps, 1, 1))
+    assert LM7B.partials_bytes == 8 * ctas
     e = EMBED_CASES["7b"]
     assert e.launch() == codegen.Launch(grid=(-(-3584 // 8 // CFG.embed.threads), 1, 1), block=(CFG.embed.threads, 1, 1))
     assert [n for n, _ in LM7B.signature] == ["h", "norm_w", "lm_head", "logits", "state", "tokens_out",

@@ -1,6 +1,8 @@
 """A kernel variant is a frozen, hashable dataclass: its fields are the template parameters, its
 ``uri`` / ``entry`` name the generated module and its ``extern "C"`` function, ``launch()`` gives the
-grid it was written for. Families subclass ``KernelSpec`` in ``codegen/kernels/<family>.py``."""
+grid it was written for, ``kernel_params`` declares the kernel's parameters once: the C++ parameter
+list (render) and the launch packing (runtime/driver.py, by ``signature``) are both generated from it.
+Families subclass ``KernelSpec`` in ``codegen/kernels/<family>.py``."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ class SpecError(NanoqwenError):
     """An impossible or malformed kernel spec (unknown family/parameter, bad value, broken invariant)."""
 
 
-# sm_90: 1024 threads per block, 227 KB of shared memory per block (opt-in above 48 KB).
+# sm_90: 1024 threads per block. The shared-memory limit is the device's (gpu.GpuProfile.max_smem),
+# checked by the specs that ask for dynamic shared memory.
 MAX_THREADS = 1024
-MAX_SMEM = 227 * 1024
 _GRID_MAX = (2**31 - 1, 65535, 65535)
 
 
@@ -41,8 +43,8 @@ class Launch:
             raise SpecError(f"Launch.grid {self.grid} exceeds the CUDA limits {_GRID_MAX}")
         if math.prod(self.block) > MAX_THREADS:
             raise SpecError(f"Launch.block {self.block} has {math.prod(self.block)} threads > {MAX_THREADS}")
-        if not (_is_int(self.smem) and 0 <= self.smem <= MAX_SMEM):
-            raise SpecError(f"Launch.smem must be 0..{MAX_SMEM} bytes, got {self.smem!r}")
+        if not (_is_int(self.smem) and self.smem >= 0):
+            raise SpecError(f"Launch.smem must be a byte count >= 0, got {self.smem!r}")
 
     @property
     def threads(self) -> int:
@@ -57,11 +59,68 @@ def _is_int(v) -> bool:
 _SCALARS = (bool, int, float, str)
 
 
+# C++ scalar type of a kernel parameter -> the driver's slot kind (runtime/driver.py packs by kind)
+_SCALAR_KINDS = {"int": "i32", "u32": "u32", "u64": "u64", "float": "f32"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter. ``ctype`` is the pointee type of a pointer, or the scalar's own type.
+    ``restrict`` (__restrict__) is off for data the previous kernel wrote: a .nc load of it could be
+    hoisted above griddepcontrol.wait (common.cuh ld_act_*)."""
+    name: str
+    ctype: str
+    pointer: bool = True
+    const: bool = True        # pointer to const: the kernel only reads through it
+    restrict: bool = True
+    note: str = ""            # a comment after the declaration in the generated source
+
+    def __post_init__(self):
+        if not self.pointer and self.ctype not in _SCALAR_KINDS:
+            raise SpecError(f"kernel parameter {self.name}: scalar type {self.ctype!r} is not one of "
+                            f"{', '.join(_SCALAR_KINDS)}")
+
+    @property
+    def kind(self) -> str:
+        return "ptr" if self.pointer else _SCALAR_KINDS[self.ctype]
+
+    @property
+    def cpp_type(self) -> str:
+        if not self.pointer:
+            return self.ctype
+        return f"{'const ' if self.const else ''}{self.ctype}*{' __restrict__' if self.restrict else ''}"
+
+    def declaration(self) -> str:
+        return f"{self.cpp_type} {self.name}" + (f" /* {self.note} */" if self.note else "")
+
+    def null_constant(self) -> str:
+        """A variant that does not take this pointer sees it as a null constant, so one kernel body
+        compiles for every variant (its ``if constexpr`` branches never read it)."""
+        if not self.pointer:
+            raise SpecError(f"kernel parameter {self.name}: only a pointer can be absent from a variant")
+        return f"constexpr {'const ' if self.const else ''}{self.ctype}* {self.name} = nullptr;"
+
+
+def inp(name: str, ctype: str, restrict: bool = True, note: str = "") -> Param:
+    """A pointer the kernel reads."""
+    return Param(name, ctype, restrict=restrict, note=note)
+
+
+def out(name: str, ctype: str, note: str = "") -> Param:
+    """A pointer the kernel writes (and may read)."""
+    return Param(name, ctype, const=False, note=note)
+
+
+def scalar(name: str, ctype: str, note: str = "") -> Param:
+    return Param(name, ctype, pointer=False, restrict=False, const=False, note=note)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     family: ClassVar[str]
     template: ClassVar[str]            # file name inside templates/
     uri_fields: ClassVar[tuple[str, ...]] = ()   # fields shown in the readable URI, in this order
+    kernel_params: ClassVar[tuple[Param, ...]]   # in C++ order; a property where variants differ
 
     # ---- subclass hooks ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -73,11 +132,18 @@ class KernelSpec:
         for name in self.uri_fields:
             if name not in hints:
                 raise SpecError(f"{type(self).__name__}.uri_fields names unknown field {name!r}")
+        params = getattr(self, "kernel_params", None)
+        if not (isinstance(params, tuple) and all(isinstance(p, Param) for p in params)):
+            raise SpecError(f"{type(self).__name__} declares no kernel_params (a tuple of Param)")
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):
+            raise SpecError(f"{type(self).__name__}.kernel_params repeats a name: {names}")
 
     def context(self) -> dict:
-        """Template variables: every field, plus ``entry`` (the extern "C" name) and ``spec_repr``."""
+        """Template variables: every field, plus ``entry`` (the extern "C" name), ``spec_repr`` and
+        ``params`` (the C++ parameter list generated from ``kernel_params``)."""
         ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        ctx.update(entry=self.entry, spec_repr=self.spec_repr)
+        ctx.update(entry=self.entry, spec_repr=self.spec_repr, params=cpp_params(self.kernel_params))
         return ctx
 
     def launch(self) -> Launch:
@@ -104,6 +170,11 @@ class KernelSpec:
     @property
     def entry(self) -> str:
         return self.uri
+
+    @property
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        """(name, kind) per kernel parameter: what the driver packs launch arguments by."""
+        return tuple((p.name, p.kind) for p in self.kernel_params)
 
     # ---- construction from text (CLI, tuned results) ----------------------------------------------------
     @classmethod
@@ -138,6 +209,11 @@ class KernelSpec:
         spec = cls(**values)
         spec.validate()
         return spec
+
+
+def cpp_params(params) -> str:
+    """The C++ parameter list, one parameter per line (the template writes ``entry(`` before it)."""
+    return "\n" + ",\n".join(f"        {p.declaration()}" for p in params)
 
 
 @functools.cache
@@ -212,16 +288,10 @@ def coerce(family: str, name: str, tp, text: str):
 
 def parse_params(items) -> dict[str, str]:
     """["k=v", ...] -> {k: v} (values stay text; from_params coerces them per field)."""
-    out = {}
+    parsed = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise SpecError(f"parameter {item!r} is not of the form name=value")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def from_params(family: str, **kv) -> KernelSpec:
-    """The registered family's spec built from keyword values (text values are coerced per field)."""
-    from .kernels import family as lookup  # the registry imports this module
-    return lookup(family).from_params(**kv)
+        parsed[key.strip()] = value.strip()
+    return parsed

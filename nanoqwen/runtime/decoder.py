@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from .. import NanoqwenError
+from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
 from ..codegen.kernels import attention, embed, gemv, lm_head
 from ..codegen import tuned
 from . import driver
@@ -61,14 +62,14 @@ def _wait(event: driver.Event, what: str, timeout: float = WAIT_TIMEOUT_S) -> No
         time.sleep(0)
 
 
-def step_specs(dims, cfg, gpu: str | None = None) -> dict:
+def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_GPU) -> dict:
     """Role -> kernel spec of one decode step, each from its family's own constructor; the GEMVs take
-    this GPU's tuned tiles (tune/tuned.json) when there are any."""
-    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg)
+    this GPU's tuned tiles (tune/tuned.json) when there are any, grids fill the ``profile``'s SMs."""
+    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile)
     return {"embed": embed.specs_for_model(dims, cfg)[0],
             **{role: tuned.role_spec(role, dims, cfg, gpu) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,
-            "attention_combine": attention_combine, "lm_head": lm_head.specs_for_model(dims, cfg)[0]}
+            "attention_combine": attention_combine, "lm_head": lm_head.specs_for_model(dims, cfg, profile)[0]}
 
 
 class Decoder:

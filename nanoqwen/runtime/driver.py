@@ -16,7 +16,8 @@ API (stable; other runtime modules build on it):
   HostBuffer(nbytes)                pinned host memory, .array(dtype, shape) numpy view, .free()
   memcpy_dtod(dst, src, nbytes, stream=None)
   Module(cubin bytes)               .function(entry, signature=(), uri="") -> Function
-  Function.launch(launch, stream=None, pdl=False, **args)   typed by the spec's `signature`
+  Function.launch(launch, stream=None, pdl=False, **args)   checked and packed by the spec's `signature`
+  pack_args(signature, args, where)  that check and packing alone (no device needed)
   Event()                           .record(stream=None), .synchronize(), Event.elapsed_ms(a, b)
   capture(stream) -> Graph          `with capture(s) as g: ...` then g.launch(stream), g.close()
   load(built) -> Function           codegen Built -> Function, modules cached by cubin bytes
@@ -294,10 +295,9 @@ class HostBuffer:
 
 # ---- modules, functions, typed launches --------------------------------------------------------
 
-# kernel parameter kind -> (numpy dtype of its slot, python check)
-_KINDS = {
-    "ptr": np.uint64, "u64": np.uint64, "i32": np.int32, "u32": np.uint32, "f32": np.float32,
-}
+# _KINDS: a kernel parameter's kind (codegen Param.kind, from the spec's one declaration) -> the numpy
+# type of its value; _RANGES: the Python ints each integer kind accepts.
+_KINDS = {"ptr": np.uint64, "u64": np.uint64, "i32": np.int32, "u32": np.uint32, "f32": np.float32}
 _RANGES = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
 
 
@@ -325,6 +325,36 @@ def _pack_value(kind: str, name: str, value, where: str):
     return int(value)
 
 
+def check_signature(signature, where: str) -> tuple[tuple[str, str], ...]:
+    """``signature`` as a tuple of (name, kind) pairs; an unknown kind is a CudaError naming the parameter."""
+    signature = tuple(tuple(p) for p in signature)
+    for name, kind in signature:
+        if kind not in _KINDS:
+            raise CudaError(f"{where}: parameter '{name}' has unknown kind '{kind}'")
+    return signature
+
+
+def pack_args(signature, args: dict, where: str):
+    """Launch arguments by name -> (slots, ptrs) for cuLaunchKernelEx's kernelParams, checked against the
+    kernel's (name, kind) signature first: a missing, unexpected or mistyped argument is a CudaError naming
+    the kernel and the argument, raised before anything reaches the driver. ``slots`` holds one 8-byte
+    slot per parameter (its value in the low bytes, little-endian), ``ptrs`` the address of each slot:
+    the void** kernelParams; the driver copies the values out when the launch (or its capture) is made."""
+    names = [n for n, _ in signature]
+    missing = [n for n in names if n not in args]
+    extra = [n for n in args if n not in names]
+    if missing or extra:
+        raise CudaError(f"{where}: launch arguments do not match the kernel parameters {names}: "
+                        f"missing {missing}, unexpected {extra}")
+    slots = np.zeros(max(1, len(names)), dtype=np.uint64)
+    for i, (name, kind) in enumerate(signature):
+        v = _pack_value(kind, name, args[name], where)
+        slots[i:i + 1].view(np.uint8)[:np.dtype(_KINDS[kind]).itemsize] = \
+            np.array([v], dtype=_KINDS[kind]).view(np.uint8)
+    ptrs = np.array([slots.ctypes.data + 8 * i for i in range(len(names))] or [0], dtype=np.uint64)
+    return slots, ptrs
+
+
 def _dims3(d) -> tuple[int, int, int]:
     d = (d,) if isinstance(d, int) else tuple(d)
     return tuple(int(v) for v in d) + (1,) * (3 - len(d))
@@ -334,13 +364,10 @@ class Function:
     def __init__(self, handle, entry: str, signature=(), uri: str = "", module=None):
         self.handle = handle
         self.entry = entry
-        self.signature = tuple(tuple(p) for p in signature)
         self.uri = uri or entry
+        self.signature = check_signature(signature, self.uri)
         self._module = module      # keeps the module alive as long as the function
         self._smem_limit = 48 * 1024
-        for name, kind in self.signature:
-            if kind not in _KINDS:
-                raise CudaError(f"{self.uri}: parameter '{name}' has unknown kind '{kind}'")
 
     def attribute(self, attr) -> int:
         return check(cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({attr}) on {self.uri}")
@@ -351,29 +378,12 @@ class Function:
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) on {self.uri}")
         self._smem_limit = int(nbytes)
 
-    def _params(self, args: dict):
-        names = [n for n, _ in self.signature]
-        missing = [n for n in names if n not in args]
-        extra = [n for n in args if n not in names]
-        if missing or extra:
-            raise CudaError(f"{self.uri}: launch arguments do not match the signature {names}: "
-                            f"missing {missing}, unexpected {extra}")
-        # One 8-byte slot per parameter (every kind fits) and an array of pointers to the slots:
-        # the void** that cuLaunchKernelEx wants. The driver copies the values at launch (and at capture).
-        slots = np.zeros(max(1, len(names)), dtype=np.uint64)
-        for i, (name, kind) in enumerate(self.signature):
-            v = _pack_value(kind, name, args[name], self.uri)
-            slots[i:i + 1].view(np.uint8)[:np.dtype(_KINDS[kind]).itemsize] = \
-                np.array([v], dtype=_KINDS[kind]).view(np.uint8)
-        ptrs = np.array([slots.ctypes.data + 8 * i for i in range(len(names))] or [0], dtype=np.uint64)
-        return slots, ptrs
-
     def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
         grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
         where = f"cuLaunchKernelEx({self.uri}, grid={grid}, block={block}, smem={smem}, pdl={pdl})"
+        slots, ptrs = pack_args(self.signature, args, self.uri)
         if smem > self._smem_limit:
             self.set_max_dynamic_smem(smem)
-        slots, ptrs = self._params(args)
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
@@ -389,9 +399,9 @@ class Function:
             config.numAttrs = 1
         else:
             config.numAttrs = 0
-        check(cu.cuLaunchKernelEx(config, self.handle, int(ptrs.ctypes.data) if len(self.signature) else 0, 0),
-              where)
-        del slots, ptrs
+        # kernelParams = ptrs (NULL for a kernel without parameters), no `extra`; `slots` must stay
+        # alive until the call returns, which it does as a local.
+        check(cu.cuLaunchKernelEx(config, self.handle, int(ptrs.ctypes.data) if self.signature else 0, 0), where)
 
 
 class Module:

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
 from ..codegen.kernels import attention_prefill, embed_prefill, gemm
 from . import driver
 from .driver import check, cu
 
 
-def prefill_specs(dims, cfg) -> dict:
+def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     """Role -> kernel spec of the prefill chain; roles are prefixed ``prefill.`` so they sit beside the
     decode step's roles (runtime/decoder.py step_specs) in one kernel table."""
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
-    rope, attn = attention_prefill.prefill_attention_specs(dims, cfg)
+    rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
     return {"prefill.embed": embed_prefill.specs_for_model(dims, cfg)[0], "prefill.rmsnorm": norm,
-            **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, cfg.quant.group_size).items()},
+            **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, cfg.quant.group_size, profile).items()},
             "prefill.rope_append": rope, "prefill.attention": attn}
 
 

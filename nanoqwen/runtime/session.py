@@ -64,7 +64,8 @@ class CudaSession:
             raise DeviceError(f"not enough GPU memory: {need / GiB:.2f} GiB needed (weights {w_bytes / GiB:.2f}, "
                               f"KV cache for {self.context} tokens {kv_bytes / GiB:.2f}), {props.free_mem / GiB:.2f} "
                               f"GiB free of {props.total_mem / GiB:.2f} on {props.name}")
-        specs = step_specs(d, cfg, props.name) | (prefill_specs(d, cfg) if chunked else {})
+        gpu = codegen.GpuProfile.from_props(props)
+        specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
         kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}

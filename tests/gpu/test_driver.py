@@ -12,13 +12,12 @@ from nanoqwen.runtime import driver
 
 pytestmark = pytest.mark.gpu
 
-SIGNATURE = (("src", "ptr"), ("dst", "ptr"), ("n16", "u64"))
-
 
 @pytest.fixture(scope="module")
 def copy_fn():
     spec = CopySpec(threads=256, unroll=4, blocks=264)
-    return spec, driver.load(codegen.build(spec), signature=SIGNATURE)
+    assert spec.signature == (("src", "ptr"), ("dst", "ptr"), ("n16", "u64"))   # declared on CopySpec
+    return spec, driver.load(codegen.build(spec))
 
 
 def test_props():

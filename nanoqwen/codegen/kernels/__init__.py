@@ -3,16 +3,18 @@
 
 Adding a family:
 1. ``templates/<name>.cu.j2``: CUDA only; ``#include`` nothing but ``templates/*.cuh`` (NVRTC gets them
-   in memory, no CUDA headers); name the kernel ``extern "C" __global__ void {{ entry }}(...)``; emit
-   every parameter as a constant (``{{ x | c }}`` writes a C literal: true/false, 1.5f, {1, 2});
-   ``static_assert`` each divisibility assumption.
+   in memory, no CUDA headers); declare the kernel ``extern "C" __global__ void {{ entry }}({{ params }})``
+   (the parameter list is generated from the spec); emit every template parameter as a constant
+   (``{{ x | c }}`` writes a C literal: true/false, 1.5f, {1, 2}) and switch variants with ``if constexpr``
+   on those constants, never with Jinja tags; ``static_assert`` each divisibility assumption.
 2. ``kernels/<module>.py``: ``@dataclass(frozen=True) class FooSpec(KernelSpec)`` with ClassVars
-   ``family``, ``template``, ``uri_fields``; fields are the template parameters (bool/int/float/str or
-   tuples of them, defaults allowed); ``validate()`` calls ``super().validate()`` then raises SpecError
+   ``family``, ``template``, ``uri_fields`` and ``kernel_params`` (``inp``/``out``/``scalar`` Params in
+   C++ order; a property where variants differ); fields are the template parameters (bool/int/float/str
+   or tuples of them, defaults allowed); ``validate()`` calls ``super().validate()`` then raises SpecError
    naming the field for impossible combinations; ``launch()`` returns ``Launch(grid, block, smem)``.
 3. If the model needs it, the module defines
-       def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]
-   (called once per module by ``codegen.manifest.model_kernels``; tests/test_kernels_compile.py then compiles
+       def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]
+   (the GPU's SM count and shared memory come from ``gpu``, never from constants; called once per module by ``codegen.manifest.model_kernels``; tests/test_kernels_compile.py then compiles
    every spec it returns for the 7B and the test model and asserts no spills and no local memory).
 4. One line in FAMILIES below. ``nanoqwen-gen list`` / ``emit <family> --param k=v`` work at once."""
 
@@ -50,6 +52,11 @@ def family(name: str) -> type[KernelSpec]:
     except AttributeError:
         raise SpecError(f"kernels/__init__.py registers {name} as {target}, but kernels/{mod_name}.py "
                         f"defines no {cls}") from None
+
+
+def from_params(name: str, **kv) -> KernelSpec:
+    """The registered family's spec built from keyword values (text values are coerced per field)."""
+    return family(name).from_params(**kv)
 
 
 def modules() -> list[str]:

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
 # ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
@@ -31,9 +32,9 @@ class AttentionDecodeSpec(KernelSpec):
     template = "attention_decode.cu.j2"
     uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps")
     # Kernel parameters in template order: (name, kind) for driver.Function.launch.
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("state", "ptr"), ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"),
-        ("part_acc", "ptr"), ("part_ml", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("state", "int"), inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"),
+        inp("page_table", "int"), out("part_acc", "float"), out("part_ml", "float"))
 
     head_dim: int
     kv_heads: int
@@ -91,7 +92,8 @@ class AttentionCombineSpec(KernelSpec):
     family = "attention_combine"
     template = "attention_combine.cu.j2"
     uri_fields = ("head_dim", "heads", "splits")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (("part_acc", "ptr"), ("part_ml", "ptr"), ("o16", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"))
 
     head_dim: int
     heads: int
@@ -113,9 +115,9 @@ class RopeAppendSpec(KernelSpec):
     family = "rope_append"
     template = "rope_append.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("state", "ptr"), ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"),
-        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("state", "int"), inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"),
+        inp("page_table", "int"), out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"))
 
     head_dim: int
     heads: int
@@ -134,9 +136,9 @@ class RopeAppendSpec(KernelSpec):
         return Launch(grid=(self.heads + self.kv_heads, 1, 1), block=(self.head_dim // 2, 1, 1))
 
 
-def splits_for(kv_heads: int, target_ctas: int) -> int:
-    """Sequence splits so that kv_heads x splits fills ``target_ctas`` CTAs (one wave)."""
-    return max(1, target_ctas // kv_heads)
+def splits_for(kv_heads: int, ctas: int) -> int:
+    """Sequence splits so that kv_heads x splits fills ``ctas`` CTAs (one wave)."""
+    return max(1, ctas // kv_heads)
 
 
 def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
@@ -145,15 +147,16 @@ def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
     return rows * spec.head_dim * 4, rows * 2 * 4
 
 
-def decode_specs(dims: ModelDims, cfg: Config) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
+def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+                 ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
     """The three attention-side kernels of one decode step, in launch order."""
     a, page = cfg.attention, cfg.kv_cache.page_size
-    splits = splits_for(dims.kv_heads, a.target_ctas)
+    splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
                                 page_size=page, stages=a.stages, consumer_warps=a.consumer_warps),
             AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits))
 
 
-def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
-    return list(decode_specs(dims, cfg))
+def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
+    return list(decode_specs(dims, cfg, gpu))

@@ -20,7 +20,8 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 
 def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
@@ -37,9 +38,9 @@ class RopeAppendPrefillSpec(KernelSpec):
     family = "rope_append_prefill"
     template = "rope_append_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("qkv", "ptr"), ("rope_cos", "ptr"), ("rope_sin", "ptr"), ("page_table", "ptr"), ("q_rot", "ptr"),
-        ("k_pool", "ptr"), ("v_pool", "ptr"), ("p0", "i32"), ("n", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"), inp("page_table", "int"),
+        out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"), scalar("p0", "int"), scalar("n", "int"))
 
     head_dim: int
     heads: int
@@ -63,9 +64,9 @@ class AttentionPrefillSpec(KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("q_rot", "ptr"), ("k_pool", "ptr"), ("v_pool", "ptr"), ("page_table", "ptr"), ("o16", "ptr"),
-        ("p0", "i32"), ("n", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"), inp("page_table", "int"),
+        out("o16", "f16"), scalar("p0", "int"), scalar("n", "int"))
 
     head_dim: int
     heads: int
@@ -75,6 +76,7 @@ class AttentionPrefillSpec(KernelSpec):
     bkv: int = 64            # keys per KV tile (whole pages)
     split: bool = True       # q and p as fp16 hi + lo (two mma's each): fp32-like Q.K and P.V
     max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+    max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
 
     def validate(self) -> None:
         super().validate()
@@ -86,8 +88,8 @@ class AttentionPrefillSpec(KernelSpec):
         if not 1 <= self.warps <= 8 or (self.bkv * self.head_dim // 8) % (32 * self.warps):
             raise SpecError(f"{f}.warps must be 1..8 and split the bkv x head_dim tile copies evenly, "
                             f"got {self.warps}")
-        if self.smem_bytes > MAX_SMEM:
-            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > {MAX_SMEM} (lower bkv)")
+        if self.smem_bytes > self.max_smem:
+            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > max_smem {self.max_smem} (lower bkv)")
         if self.max_n <= 0:
             raise SpecError(f"{f}.max_n must be positive, got {self.max_n}")
 
@@ -108,10 +110,11 @@ class AttentionPrefillSpec(KernelSpec):
         return 4 * self.head_dim * self.heads * pairs
 
 
-def prefill_attention_specs(dims: ModelDims, cfg: Config) -> tuple[RopeAppendPrefillSpec, AttentionPrefillSpec]:
+def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+                            ) -> tuple[RopeAppendPrefillSpec, AttentionPrefillSpec]:
     kw = dict(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=cfg.kv_cache.page_size)
-    return RopeAppendPrefillSpec(**kw), AttentionPrefillSpec(**kw)
+    return RopeAppendPrefillSpec(**kw), AttentionPrefillSpec(**kw, max_smem=gpu.max_smem)
 
 
-def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
-    return list(prefill_attention_specs(dims, cfg))
+def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
+    return list(prefill_attention_specs(dims, cfg, gpu))

@@ -4,8 +4,10 @@ quotes the H200's copy bandwidth), and the smallest real kernel for the codegen'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 
 @dataclass(frozen=True)
@@ -13,10 +15,11 @@ class CopySpec(KernelSpec):
     family = "copy"
     template = "copy.cu.j2"
     uri_fields = ("threads", "unroll")
+    kernel_params: ClassVar[tuple[Param, ...]] = (inp("src", "uint4"), out("dst", "uint4"), scalar("n16", "u64"))
 
     threads: int = 256   # threads per block
     unroll: int = 4      # 16-byte loads in flight per thread before the first store
-    blocks: int = 1056   # grid size (8 per SM on 132 SMs); the kernel grid-strides over the buffer
+    blocks: int = 8 * DEFAULT.sm_count   # grid size (8 CTAs per SM); the kernel grid-strides over the buffer
 
     def validate(self) -> None:
         super().validate()

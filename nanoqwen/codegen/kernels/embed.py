@@ -1,7 +1,7 @@
 """Token embedding (templates/embed.cu.j2), the first kernel of a decode step: ``h = f32(embed[state[0]])``
 into the fp32 residual stream, reading the token the previous step's argmax left in device memory.
 
-Kernel parameters, in order (``signature``):
+Kernel parameters, in order (``kernel_params``):
   state        int32 [4] device decode state; reads state[0] after pdl_wait
   embed        fp16 [vocab, hidden] embedding table (16-byte aligned)
   h            fp32 [hidden] output
@@ -19,7 +19,8 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 ERR_TOKEN_RANGE = 1  # *err bit set by the embed kernel: state[0] was not a valid token id
 
@@ -29,8 +30,9 @@ class EmbedSpec(KernelSpec):
     family = "embed"
     template = "embed.cu.j2"
     uri_fields = ("vocab", "hidden", "threads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("state", "ptr"), ("embed", "ptr"), ("h", "ptr"), ("err", "ptr"), ("argmax_done", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("state", "int", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("embed", "uint4"), out("h", "float4"),
+        out("err", "u32"), out("argmax_done", "u32"))
 
     hidden: int            # row length (fp16 elements)
     vocab: int             # table rows
@@ -52,5 +54,5 @@ class EmbedSpec(KernelSpec):
         return Launch(grid=(-(-self.hidden // 8 // self.threads), 1, 1), block=(self.threads, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return [EmbedSpec(hidden=dims.hidden, vocab=dims.vocab, threads=cfg.embed.threads)]

@@ -3,7 +3,7 @@ tokens of a prefill chunk, the batched form of the decode step's embed kernel (e
 clamp and error flag. One launch per chunk: launching the decode embed once per token costs ~40 us of
 Python launch overhead each (measured), ~20 ms for a 512-token prompt.
 
-Kernel parameters, in order (``signature``):
+Kernel parameters, in order (``kernel_params``):
   tokens  int32 [n] token ids of the chunk (read after pdl_wait)
   embed   fp16 [vocab, hidden] embedding table (16-byte aligned)
   h       fp32 [n, hidden] output rows
@@ -20,7 +20,8 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 from .embed import ERR_TOKEN_RANGE
 
 
@@ -29,8 +30,9 @@ class EmbedPrefillSpec(KernelSpec):
     family = "embed_prefill"
     template = "embed_prefill.cu.j2"
     uri_fields = ("vocab", "hidden", "threads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("tokens", "ptr"), ("embed", "ptr"), ("h", "ptr"), ("err", "ptr"), ("n", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("tokens", "int", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("embed", "uint4"), out("h", "float4"),
+        out("err", "u32"), scalar("n", "int"))
 
     hidden: int            # row length (fp16 elements)
     vocab: int             # table rows
@@ -59,5 +61,5 @@ class EmbedPrefillSpec(KernelSpec):
         return Launch(grid=(-(-self.hidden // 8 // self.threads), n, 1), block=(self.threads, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return [EmbedPrefillSpec(hidden=dims.hidden, vocab=dims.vocab, threads=cfg.embed.threads)]

@@ -15,7 +15,7 @@ lets X be streamed by cp.async straight from global memory.
 ``split_k`` > 1 (residual only) spreads K over grid z with atomic fp32 adds into y: o_proj and down have
 only N/bn x M/bm CTAs (112 at M=512 on 132 SMs).
 
-Kernel parameters, in order (``signature``; unused pointers may be 0):
+Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 ``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
 ``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
 ``stages * (bm*bk*2 + bn*bk/2)`` bytes (> 48 KB: the driver raises the function's limit)."""
@@ -27,7 +27,8 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..spec import MAX_SMEM, KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 EPILOGUES = ("f32", "residual", "swiglu", "f16")
 
@@ -37,9 +38,9 @@ class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
     template = "gemm_int4.cu.j2"
     uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("x", "ptr"), ("w", "ptr"), ("s", "ptr"), ("w2", "ptr"), ("s2", "ptr"), ("bias", "ptr"),
-        ("y", "ptr"), ("m", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("x", "f16"), inp("w", "u32"), inp("s", "f16"), inp("w2", "u32"), inp("s2", "f16"), inp("bias", "f16"),
+        out("y", "void"), scalar("m", "int"))
 
     n: int                   # GEMM columns (weight rows; 2 x intermediate for swiglu)
     k: int                   # reduction length (weight row length)
@@ -55,6 +56,7 @@ class GemmInt4Spec(KernelSpec):
     min_blocks: int = 1      # CTAs per SM the registers must allow (__launch_bounds__; 2 caps at 128)
     split_k: int = 1         # CTAs along K, partials added atomically (residual epilogue only)
     max_m: int = 4096        # rows the default grid covers (launch(m) sizes it for a call)
+    max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
 
     def validate(self) -> None:
         super().validate()
@@ -79,8 +81,8 @@ class GemmInt4Spec(KernelSpec):
             raise SpecError(f"{f}: {threads} threads must split the bm x bk and bn x bk tile copies evenly")
         if not 2 <= self.stages <= 8:
             raise SpecError(f"{f}.stages must be 2..8, got {self.stages}")
-        if self.smem_bytes > MAX_SMEM:
-            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > {MAX_SMEM} "
+        if self.smem_bytes > self.max_smem:
+            raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > max_smem {self.max_smem} "
                             f"(lower stages, bm, bn or bk)")
         if self.split_k < 1 or self.k % (self.bk * self.split_k):
             raise SpecError(f"{f}.split_k ({self.split_k}) must be >= 1 and split k ({self.k}) into whole "
@@ -110,14 +112,14 @@ class GemmInt4Spec(KernelSpec):
         return 2 * m * self.n * self.k
 
 
-def model_gemms(dims: ModelDims, group: int = 128) -> dict[str, GemmInt4Spec]:
+def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT) -> dict[str, GemmInt4Spec]:
     """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM)."""
-    h, qkv = dims.hidden, dims.q_dim + 2 * dims.kv_dim
+    h, qkv, kw = dims.hidden, dims.q_dim + 2 * dims.kv_dim, dict(group=group, max_smem=gpu.max_smem)
     return {
-        "qkv": GemmInt4Spec(n=qkv, k=h, epilogue="f32", bias=True, group=group),
-        "o_proj": GemmInt4Spec(n=h, k=dims.q_dim, epilogue="residual", group=group),
-        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", group=group),
-        "down": GemmInt4Spec(n=h, k=dims.intermediate, epilogue="residual", group=group),
+        "qkv": GemmInt4Spec(n=qkv, k=h, epilogue="f32", bias=True, **kw),
+        "o_proj": GemmInt4Spec(n=h, k=dims.q_dim, epilogue="residual", **kw),
+        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", **kw),
+        "down": GemmInt4Spec(n=h, k=dims.intermediate, epilogue="residual", **kw),
     }
 
 
@@ -128,7 +130,8 @@ class RmsnormPrefillSpec(KernelSpec):
     family = "rmsnorm_prefill"
     template = "rmsnorm_prefill.cu.j2"
     uri_fields = ("hidden", "threads")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (("h", "ptr"), ("w", "ptr"), ("xn", "ptr"), ("m", "i32"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("h", "float"), inp("w", "f16"), out("xn", "f16"), scalar("m", "int"))
 
     hidden: int
     eps: float
@@ -152,6 +155,6 @@ def rmsnorm_threads(hidden: int) -> int:
     return next(t for t in (256, 128, 64, 32) if hidden % (4 * t) == 0)
 
 
-def specs_for_model(dims: ModelDims, cfg: Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     norm = RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, threads=rmsnorm_threads(dims.hidden))
-    return [*model_gemms(dims, cfg.quant.group_size).values(), norm]
+    return [*model_gemms(dims, cfg.quant.group_size, gpu).values(), norm]

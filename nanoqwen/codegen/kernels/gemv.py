@@ -1,13 +1,14 @@
 """INT4 GEMV family (templates/gemv_int4.cu.j2): y = W x for batch-1 decode, with the epilogues and the
 RMSNorm prologue the decoder layer fuses (DESIGN.md section 5, kernel plan 1, 3, 4, 5).
 
-Kernel parameters, in order (``signature``; the runtime packs launch arguments by it):
+Kernel parameters, in order (``kernel_params``; the C++ list and the launch packing are generated from it):
   w0, s0            packed uint32 [N, K/8] and fp16 scales [N, K/group] (gate for SwiGLU)
   w1, s1            SwiGLU only: the up weights and scales
   h, norm_w         norm=True: fp32 residual h [K] and fp16 norm weight [K] (x = f16(rmsnorm(h) * w))
   x                 norm=False: fp16 activations [K]
   bias              epilogue "bias": fp16 [N]
   y                 output [N]: fp32 (or fp16 when out_f16); "residual": fp32 h updated in place, h += W x
+A parameter the variant does not take is a null constant in its source (Param.null_constant).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 from ... import config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
@@ -83,15 +85,24 @@ class GemvInt4Spec(KernelSpec):
         return self.n // self.tile_rows
 
     @property
-    def signature(self) -> tuple[tuple[str, str], ...]:
-        sig = [("w0", "ptr"), ("s0", "ptr")]
-        if self.epilogue == "swiglu":
-            sig += [("w1", "ptr"), ("s1", "ptr")]
-        sig += [("h", "ptr"), ("norm_w", "ptr")] if self.norm else [("x", "ptr")]
-        if self.epilogue == "bias":
-            sig.append(("bias", "ptr"))
-        sig.append(("y", "ptr"))
-        return tuple(sig)
+    def grid_x(self) -> int:
+        """CTAs along x: each of the WARPS warps of a CTA walks tiles_per_warp tiles."""
+        return -(-self.tiles // (self.warps * self.tiles_per_warp))
+
+    def _family_params(self) -> tuple[tuple[Param, bool], ...]:
+        """Every parameter of the family, in C++ order, with whether this variant takes it."""
+        swiglu = self.epilogue == "swiglu"
+        return ((inp("w0", "uint4"), True), (inp("s0", "f16"), True),
+                (inp("w1", "uint4"), swiglu), (inp("s1", "f16"), swiglu),
+                (inp("h", "float", restrict=False, note="written by the previous kernel: no .nc"), self.norm),
+                (inp("norm_w", "f16"), self.norm),
+                (inp("x", "f16", restrict=False, note="written by the previous kernel: no .nc"), not self.norm),
+                (inp("bias", "f16"), self.epilogue == "bias"),
+                (out("y", "f16" if self.out_f16 else "float"), True))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
 
     def weight_bytes(self) -> int:
         """Bytes of packed weights + scales one call reads (the bandwidth numerator)."""
@@ -139,18 +150,19 @@ class GemvInt4Spec(KernelSpec):
         if loads > 32:
             raise SpecError(f"{f}: {loads} 16-byte loads in flight per lane (mats*rows*unroll) exceed 32: "
                             f"the registers would spill")
-        grid_x = -(-self.tiles // (self.warps * self.tiles_per_warp))
-        if grid_x > 2**31 - 1 or self.splitk > 65535:
-            raise SpecError(f"{f}: grid ({grid_x}, {self.splitk}) exceeds the CUDA limits")
+        try:
+            self.launch()   # the grid within the CUDA limits
+        except SpecError as e:
+            raise SpecError(f"{f}: {e}") from None
 
     def context(self) -> dict:
-        ctx = super().context()
-        ctx.update(unroll_eff=self.unroll_eff)
-        return ctx
+        absent = [p.null_constant() for p, taken in self._family_params() if not taken]
+        return super().context() | dict(
+            unroll_eff=self.unroll_eff, grid_x=self.grid_x, absent_params="\n".join(absent),
+            cluster_dims="__cluster_dims__(1, SPLITK, 1) " if self.splitk > 1 else "")
 
     def launch(self) -> Launch:
-        grid_x = -(-self.tiles // (self.warps * self.tiles_per_warp))
-        return Launch(grid=(grid_x, self.splitk, 1), block=(32 * self.warps, 1, 1))
+        return Launch(grid=(self.grid_x, self.splitk, 1), block=(32 * self.warps, 1, 1))
 
 
 # ---- the kernels a model needs ---------------------------------------------------------------------
@@ -205,7 +217,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **ov
     return spec
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
     dims.check_quantizable(cfg.quant.group_size)
     return [role_spec(role, dims, cfg) for role in ROLES]
 

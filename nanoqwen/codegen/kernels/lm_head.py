@@ -2,7 +2,7 @@
 (templates/lm_head_argmax.cu.j2): the last kernel of a decode step and the largest one (7B: 1.09 GB of
 fp16 weights per token, ~260 us at 4.2 TB/s).
 
-Kernel parameters, in order (``signature``):
+Kernel parameters, in order (``kernel_params``):
   h            fp32 [hidden] residual stream (read after pdl_wait)
   norm_w       fp16 [hidden] final norm weight (model.norm.weight)
   lm_head      fp16 [vocab, hidden] (lm_head.weight, or the embedding table when tied)
@@ -30,7 +30,8 @@ from typing import ClassVar
 
 from ... import config
 from ...dims import ModelDims
-from ..spec import KernelSpec, Launch, SpecError
+from ..gpu import DEFAULT, GpuProfile
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 ERR_NO_FINITE_LOGIT = 2   # *err bit: every logit was NaN (state[0] = 0)
 ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not written)
@@ -48,18 +49,18 @@ class LmHeadArgmaxSpec(KernelSpec):
     family = "lm_head_argmax"
     template = "lm_head_argmax.cu.j2"
     uri_fields = ("vocab", "hidden", "warps", "rows_per_warp", "unroll", "ctas")
-    signature: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("h", "ptr"), ("norm_w", "ptr"), ("lm_head", "ptr"), ("logits", "ptr"), ("state", "ptr"),
-        ("tokens_out", "ptr"), ("tokens_cap", "u32"), ("partials", "ptr"), ("argmax_done", "ptr"),
-        ("err", "ptr"))
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("h", "float4", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("norm_w", "uint2"), inp("lm_head", "uint4"),
+        out("logits", "float", note="or 0 to skip it"), out("state", "int"), out("tokens_out", "int"),
+        scalar("tokens_cap", "u32"), out("partials", "u64"), out("argmax_done", "u32"), out("err", "u32"))
 
     hidden: int                 # K: model hidden size
     vocab: int                  # N: lm_head rows
+    ctas: int                   # persistent grid size (config lm_head.ctas_per_sm x the GPU's SMs)
     eps: float = 1e-6           # final RMSNorm epsilon (dims.rms_eps)
     warps: int = 8              # warps per CTA
     rows_per_warp: int = 1      # rows one warp reduces together
     unroll: int = 14            # 16-byte loads per lane per row in flight before the first FMA (<= lane_vecs)
-    ctas: int = 264             # persistent grid size
 
     @property
     def partials_bytes(self) -> int:
@@ -100,8 +101,8 @@ class LmHeadArgmaxSpec(KernelSpec):
         return Launch(grid=(self.ctas, 1, 1), block=(32 * self.warps, 1, 1))
 
 
-def specs_for_model(dims: ModelDims, cfg: config.Config) -> list[KernelSpec]:
+def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     lm = cfg.lm_head
     return [LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
                              rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
-                             ctas=lm.ctas)]
+                             ctas=lm.ctas_per_sm * gpu.sm_count)]
