@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "inspect": ("nanoqwen.cli.inspect", "print a .nanoqwen header and tensor table; --verify checksums"),
     "run": ("nanoqwen.cli.run", "generate text"),
     "bench": ("nanoqwen.cli.bench", "benchmarks (pp512/tg128 protocol, --kernels for GEMV bandwidth)"),
+    "serve": ("nanoqwen.cli.serve", "OpenAI-compatible HTTP server (completions, chat, /infill for editors)"),
+    "chat": ("nanoqwen.cli.chat", "interactive multi-turn chat in the terminal"),
 }
 
 
