@@ -32,19 +32,17 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _reply(engine, tok, stop, prompt: list[int], max_new: int, sampling) -> tuple[str, int, bool]:
-    """Stream one reply to stdout: (text, tokens generated, interrupted)."""
+def _reply(engine, tok, stop, prompt: list[int], max_new: int, sampling) -> str:
+    """Stream one reply to stdout and return its text; Ctrl-C ends it early."""
     from ..serve.text import TextStream
     from ..serve.worker import cached_tokens
 
-    text, n, gen, interrupted = TextStream(tok, []), 0, None, False
-    pieces = []
+    text, pieces, n, reused, gen, interrupted = TextStream(tok, []), [], 0, 0, None, False
     try:
         gen = engine.generate(prompt, max_new, sampling)
         for t in gen:
             n += 1
-            if n == 1:
-                cached = cached_tokens(engine)
+            reused = cached_tokens(engine)
             if t in stop:
                 break
             pieces.append(text.push(t))
@@ -57,8 +55,9 @@ def _reply(engine, tok, stop, prompt: list[int], max_new: int, sampling) -> tupl
             gen.close()
     pieces.append(text.flush())
     sys.stdout.write(pieces[-1] + "\n")
-    _log(f"[{n} tokens, {cached if n else 0} of {len(prompt)} prompt tokens reused{', stopped' if interrupted else ''}]")
-    return "".join(pieces), n, interrupted
+    sys.stdout.flush()
+    _log(f"[{n} tokens; {reused} of {len(prompt)} prompt tokens reused{'; stopped' if interrupted else ''}]")
+    return "".join(pieces)
 
 
 def run(args) -> int:
@@ -101,7 +100,7 @@ def run(args) -> int:
             if max_new < 1:
                 raise ContextError(f"the conversation ({len(prompt)} tokens) fills the context of "
                                    f"{engine.context} tokens")
-            reply, _n, _stopped = _reply(engine, tok, stop, prompt, max_new, sampling)
+            reply = _reply(engine, tok, stop, prompt, max_new, sampling)
         except NanoqwenError as e:
             _log(f"error: {e} (/clear starts over)")
             continue
