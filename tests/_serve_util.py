@@ -5,17 +5,11 @@ the server must return)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from nanoqwen import ROOT, testmodels
+from nanoqwen import testmodels
+from nanoqwen.serve.launch import ServerProcess
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
@@ -46,59 +40,9 @@ def fim_model_dir(dst: Path) -> Path:
     return dst
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m nanoqwen.cli.main serve MODEL ...` in a subprocess; ``url`` once /health says 200."""
-
-    def __init__(self, model: Path, *args: str, backend: str = "reference", cache_dir: Path, timeout: float = 180):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, NANOQWEN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
-        self.log = open(cache_dir / f"serve-{self.port}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model),
-                                      "--backend", backend, "--host", "127.0.0.1", "--port", str(self.port), *args],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.saw_loading = False
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"server not ready in {timeout} s:\n{self.output()}"
-            try:
-                r = httpx.get(f"{self.url}/health", timeout=5)
-                if r.status_code == 200:
-                    break
-                assert r.status_code == 503 and r.json()["error"]["code"] == "loading", r.text
-                self.saw_loading = True
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def metric(self, name: str, **labels) -> float:
-        """One sample of /metrics (0 when the series does not exist yet)."""
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.rsplit(" ", 1)[0] == want:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path) -> ServerProcess:
+    """A real `nanoqwen serve` on a free port with its own kernel / model cache."""
+    return ServerProcess(model, *args, backend=backend, log_dir=cache_dir, env={"NANOQWEN_CACHE_DIR": str(cache_dir)})
 
 
 def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> list[int]:

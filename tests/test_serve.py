@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import ServerProcess, fim_model_dir, greedy
+from _serve_util import fim_model_dir, greedy, server as start_server
 from nanoqwen.backends import open_engine
 from nanoqwen.modelcache import resolve
 from nanoqwen.serve import prompts
@@ -50,7 +50,7 @@ def local(model, backend):
 
 @pytest.fixture(scope="module")
 def server(model, backend, local):
-    s = ServerProcess(model[0], "--max-queue", "16", backend=backend, cache_dir=model[1])
+    s = start_server(model[0], "--max-queue", "16", backend=backend, cache_dir=model[1])
     yield s
     s.close()
 

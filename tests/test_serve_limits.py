@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import ServerProcess
+from _serve_util import server as start_server
 from nanoqwen.testmodels import SMALL_PY_DIR
 
 KEY = "sk-test-key"
@@ -21,7 +21,7 @@ LONG = {"prompt": "def fibonacci(n):", "max_tokens": 4000, "temperature": 0, "st
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(SMALL_PY_DIR, "--max-queue", "1", "--api-key", KEY, "--max-body-bytes", "4096",
+    s = start_server(SMALL_PY_DIR, "--max-queue", "1", "--api-key", KEY, "--max-body-bytes", "4096",
                       cache_dir=tmp_path_factory.mktemp("serve-limits"))
     yield s
     s.close()

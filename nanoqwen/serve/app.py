@@ -36,6 +36,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         srv, path = self.server, scope["path"]
+        scope.setdefault("state", {})["received"] = time.perf_counter()   # where server-side TTFT starts
         endpoint = path if path in srv.endpoints else "other"
         status = [500]
 
@@ -123,7 +124,8 @@ class Server:
 
     # ---- the engine's events -------------------------------------------------------------------------
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, request: Request, job: Job) -> Job:
+        job.received = request.state.received
         self.worker.submit(job)
         return job
 
@@ -263,7 +265,7 @@ def create_app(server: Server) -> FastAPI:
                            param="echo")
         n = srv.fit(engine, ids, body.max_tokens, "max_tokens")
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
-        job = srv.submit(Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def obj(text, finish=None, logprobs=None):
@@ -307,7 +309,7 @@ def create_app(server: Server) -> FastAPI:
         n = srv.fit(engine, ids, body.max_completion_tokens or body.max_tokens,
                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = srv.submit(Job(ids, n, srv.sampling(body), body.stops, top))
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def obj(kind, choice):
@@ -345,7 +347,7 @@ def create_app(server: Server) -> FastAPI:
         if body.n_predict == 0:
             raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
         n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
-        job = srv.submit(Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
+        job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
 
         def final_fields(done: Done, content: str) -> dict:
             prompt_n = len(ids) - done.cached_tokens

@@ -20,7 +20,7 @@ class Metrics:
         self.cancelled = Counter("nanoqwen_requests_cancelled", "generations stopped because the client left",
                                  registry=r)
         self.ttft = Histogram("nanoqwen_time_to_first_token_seconds",
-                              "request received -> first token generated (queue wait included)",
+                              "request received (before parsing) -> first token generated, queue wait included",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("nanoqwen_inter_token_latency_seconds", "time between consecutive tokens",
                              buckets=LATENCY_BUCKETS, registry=r)

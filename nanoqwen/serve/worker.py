@@ -56,7 +56,7 @@ class Job:
     sampling: Sampling
     stops: list[str] = field(default_factory=list)
     top_logprobs: int | None = None   # None: no logits needed
-    received: float = field(default_factory=time.perf_counter)
+    received: float = field(default_factory=time.perf_counter)   # TTFT is measured from here
 
     def __post_init__(self):
         self.loop = asyncio.get_running_loop()
