@@ -4,6 +4,9 @@ a body over the limit 413 (declared or chunked), and the server answers on after
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +15,7 @@ import openai
 import pytest
 
 from _serve_util import server as start_server
+from nanoqwen import ROOT
 from nanoqwen.testmodels import SMALL_PY_DIR
 
 KEY = "sk-test-key"
@@ -80,3 +84,21 @@ def test_queue_overflow_is_503_with_retry_after(server):
     t.join(60)
     assert waited["r"].status_code == 200 and waited["r"].json()["usage"]["completion_tokens"] == 2
     assert server.metric("nanoqwen_requests_total", endpoint="/v1/completions", status="503") >= 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "/nonexistent/model"], "no such file or directory"),
+    (["serve", "BAD", "--max-queue", "-1"], "--max-queue must be at least 0"),
+    (["serve", "BAD"], "BAD"),   # a file that is no .nanoqwen: the loading error, then exit
+])
+def test_startup_errors_are_one_line(tmp_path, args, needle):
+    bad = tmp_path / "bad.nanoqwen"
+    bad.write_bytes(b"not a model" * 100)
+    argv = [str(bad) if a == "BAD" else a for a in args] + ["--backend", "reference", "--port", "0"]
+    env = dict(os.environ, NANOQWEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "nanoqwen.cli.main", *argv], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle.replace("BAD", str(bad)) in errors[0], r.stderr
+    assert "Traceback" not in r.stderr

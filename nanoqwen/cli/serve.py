@@ -51,13 +51,19 @@ def run(args) -> int:
     if not Path(args.model).exists():
         raise NanoqwenError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
     name = args.model_name or (Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name)
-    metrics = Metrics()
+    metrics, load_error = Metrics(), []
+
+    def stop(message: str) -> None:   # a model that cannot load is the command's error, not a 503 forever
+        load_error.append(message)
+        server.should_exit = True
     worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log),
-                    metrics, args.max_queue, log=_log)
+                    metrics, args.max_queue, log=_log, on_load_error=stop)
     app = create_app(Server(worker, metrics, name, api_key=args.api_key, max_body=args.max_body_bytes))
-    worker.start()
-    _log(f"nanoqwen serve: {name} on http://{args.host}:{args.port} (loading; GET /health says 200 when ready)")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False))
+    worker.start()
+    _log(f"nanoqwen serve: {name} on http://{args.host}:{args.port} (loading; GET /health says 200 when ready)")
     server.run()
+    if load_error:
+        raise NanoqwenError(load_error[0])
     return 0 if server.started else 1

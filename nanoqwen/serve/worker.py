@@ -73,19 +73,26 @@ def cached_tokens(engine) -> int:
 
 
 def top_logprobs(tokenizer, logits: np.ndarray, token: int, k: int) -> tuple:
+    """(token text, its logprob, the k most likely (text, logprob) most likely first), from raw logits."""
     z = logits.astype(np.float64)
     lp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
-    top = np.argpartition(-lp, k)[:k] if 0 < k < lp.size else np.arange(lp.size if k else 0)
+    k = min(k, lp.size)
+    top = np.argpartition(-lp, k - 1)[:k] if k else np.empty(0, np.int64)
     top = top[np.argsort(-lp[top], kind="stable")]
     return (tokenizer.decode([token]), float(lp[token]), [(tokenizer.decode([int(i)]), float(lp[i])) for i in top])
 
 
 class Worker:
-    def __init__(self, load, metrics, max_queue: int, log=None):
+    def __init__(self, load, metrics, max_queue: int, log=None, on_load_error=None):
+        """``load()`` -> (engine, tokenizer), called in the engine thread; ``on_load_error(message)`` is
+        told when it raises (the CLI then stops the server)."""
         self.metrics, self.max_queue = metrics, max_queue
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.on_load_error = on_load_error
         self.state, self.error = "loading", None
         self.engine = self.tokenizer = None
+        self.stop_ids: frozenset[int] = frozenset()
+        self.fatal_faults = True
         self._queue: collections.deque[Job] = collections.deque()
         self._busy = False
         self._cv = threading.Condition()
@@ -126,9 +133,10 @@ class Worker:
         try:
             self.engine, self.tokenizer = load()
             self.stop_ids = stop_ids(self.tokenizer)
-        except BaseException as e:  # noqa: BLE001 - reported on /health and in the log, the server stays up
+        except BaseException as e:  # noqa: BLE001 - reported on /health, and to whoever started the worker
             self.state, self.error = "failed", f"loading failed: {e}"
-            self.log(f"error: {self.error}")
+            if self.on_load_error:
+                self.on_load_error(str(e))
             return
         from ..backends import ReferenceEngine
         self.fatal_faults = not isinstance(self.engine, ReferenceEngine)  # device state may be corrupt
