@@ -5,6 +5,7 @@ tests/gpu/test_serve.py runs this module again against the CUDA backend (the `ba
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -210,14 +211,9 @@ def test_infill_repo_level(server, local):
     assert j["stop_type"] == ("limit" if finish == "length" else "eos")
     assert j["timings"]["predicted_n"] == n and j["timings"]["prompt_ms"] > 0
     with httpx.stream("POST", f"{server.url}/infill", json=body | {"stream": True}, timeout=120) as s:
-        events = [httpx_json(line) for line in s.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["content"] for e in events) == text
     assert [e["stop"] for e in events][-1] is True and events[-1]["tokens_predicted"] == n
-
-
-def httpx_json(line: str) -> dict:
-    import json
-    return json.loads(line[len("data: "):])
 
 
 def test_tokenize_detokenize(server, local):

@@ -5,6 +5,7 @@ reference engine leaves the server serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -35,6 +36,11 @@ class GpuLikeEngine:
             if i == self.fail_at:
                 raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (simulated)")
             yield 300 + i
+
+
+class FullContextEngine(GpuLikeEngine):
+    """KV cache as long as the model's positions (the server's default when the model is short)."""
+    context, dims = 64, dataclasses.replace(tiny_dims(), max_positions=64)
 
 
 class FlakyReference(GpuLikeEngine, ReferenceEngine):
@@ -113,3 +119,16 @@ def test_reference_fault_fails_only_its_request(tok):
     assert client.get("/health").status_code == 200
     r = client.post("/v1/completions", json=BODY | {"max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_without_max_tokens_generation_fills_the_context(tok):
+    client = serve(lambda: (FullContextEngine(), tok))
+    wait_health(client, 200)
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = len(tok.encode_chat(messages))
+    r = client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 64 - prompt
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/chat/completions", json={"messages": messages * 20})
+    assert r.status_code == 400 and "fills the context of 64" in r.json()["error"]["message"]

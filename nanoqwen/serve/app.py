@@ -9,9 +9,10 @@ import hmac
 import json
 import time
 import uuid
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..runtime.generate import ContextError, check_request
@@ -106,16 +107,18 @@ class Server:
                            "request", param="n")
 
     def fit(self, engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
-        """max_tokens, or all the room the context leaves; a request that cannot fit is a 400."""
-        n = engine.context - len(prompt) + 1 if max_tokens is None else max_tokens
+        """max_tokens, or all the room left (the last new token is never fed back, so it may take the
+        position after a full KV cache, within the model's positions); a request that cannot fit is a 400."""
+        room = min(engine.context + 1, engine.dims.max_positions) - len(prompt)
+        n = room if max_tokens is None else max_tokens
         try:
             if max_tokens is None and n < 1:
                 raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
                                    f"tokens: no room to generate")
             check_request(engine.dims, prompt, n, engine.context)
-        except ContextError as e:
-            raise APIError(str(e).replace("max_new_tokens", param).replace("--max-new-tokens", param),
-                           param=param, code="context_length_exceeded") from None
+        except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
+            raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
+                           param=param) from None
         return n
 
     @staticmethod
@@ -157,14 +160,13 @@ class Server:
 
     async def collect(self, job: Job, request: Request) -> tuple[str, list, Done | None]:
         text, logprobs, done = [], [], None
-        async for ev in self.events(job, request):
-            if isinstance(ev, Token):
+        async with aclosing(self.events(job, request)) as events:
+            async for ev in events:
                 text.append(ev.text)
-                if ev.logprobs:
+                if isinstance(ev, Token) and ev.logprobs:
                     logprobs.append(ev.logprobs)
-            else:
-                text.append(ev.text)
-                done = ev
+                if isinstance(ev, Done):
+                    done = ev
         return "".join(text), logprobs, done
 
     async def stream(self, job: Job, first: bytes, chunk, final):
@@ -173,13 +175,14 @@ class Server:
         if first:
             yield first
         try:
-            async for ev in self.events(job):
-                if isinstance(ev, Token):
-                    if ev.text or ev.logprobs:
-                        yield _sse(chunk(ev.text, ev.logprobs))
-                else:
-                    for obj in final(ev):
-                        yield _sse(obj)
+            async with aclosing(self.events(job)) as events:   # closed at once when the client leaves
+                async for ev in events:
+                    if isinstance(ev, Token):
+                        if ev.text or ev.logprobs:
+                            yield _sse(chunk(ev.text, ev.logprobs))
+                    else:
+                        for obj in final(ev):
+                            yield _sse(obj)
         except APIError as e:
             yield _sse(e.body())
         yield b"data: [DONE]\n\n"
@@ -372,12 +375,13 @@ def create_app(server: Server) -> FastAPI:
 
         async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
             try:
-                async for ev in srv.events(job):
-                    if isinstance(ev, Token):
-                        if ev.text:
-                            yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
-                    else:
-                        yield _sse(final_fields(ev, ev.text))
+                async with aclosing(srv.events(job)) as events:
+                    async for ev in events:
+                        if isinstance(ev, Token):
+                            if ev.text:
+                                yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
+                        else:
+                            yield _sse(final_fields(ev, ev.text))
             except APIError as e:
                 yield _sse(e.body())
         return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)

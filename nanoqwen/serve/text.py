@@ -6,8 +6,9 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    """Text pieces in, safe text out. After a stop string is seen, ``stopped`` holds it and everything from
-    its first character on is dropped; the text before the earliest occurrence is all that ever comes out."""
+    """Text pieces in, safe text out. The stop string that completes first in the text wins (the longest
+    one when several end at the same character), whatever the pieces: ``stopped`` holds it, and only the
+    text before it ever comes out."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in dict.fromkeys(stops) if s]
@@ -18,9 +19,9 @@ class StopMatcher:
         if self.stopped is not None:
             return ""
         text = self.held + piece
-        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        hits = [(i + len(s), -len(s), i, s) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
-            i, self.stopped = min(hits)
+            _end, _longest, i, self.stopped = min(hits)
             self.held = ""
             return text[:i]
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)

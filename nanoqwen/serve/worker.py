@@ -154,6 +154,14 @@ class Worker:
                     job.emit(Failed(self.unavailable()))
                 else:
                     self._serve(job)
+            except ContextError as e:
+                job.emit(Failed(APIError(str(e))))
+            except Exception as e:  # noqa: BLE001 - any fault fails this request; the thread serves on
+                traceback.print_exc()
+                if self.fatal_faults:
+                    self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+                job.emit(Failed(APIError(f"the engine failed on this request: {type(e).__name__}: {e}",
+                                         status=500, code="engine_error")))
             finally:
                 with self._cv:
                     self._busy = False
@@ -189,16 +197,6 @@ class Worker:
                 if stream.stopped is not None:
                     finish = "stop"
                     break
-        except ContextError as e:
-            job.emit(Failed(APIError(str(e))))
-            return
-        except Exception as e:  # noqa: BLE001 - any fault fails this request; the server answers on
-            traceback.print_exc()
-            if self.fatal_faults:
-                self.state, self.error = "failed", f"{type(e).__name__}: {e}"
-            job.emit(Failed(APIError(f"the engine failed on this request: {type(e).__name__}: {e}", status=500,
-                                     code="engine_error")))
-            return
         finally:
             if gen is not None:
                 gen.close()
