@@ -160,6 +160,14 @@ def test_logprobs_top_k(client):
     assert lp.text_offset[0] == 0
 
 
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="small-py-fim", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
 def test_suffix_is_fill_in_the_middle(client, local):
     _engine, tok, _stop = local
     prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"

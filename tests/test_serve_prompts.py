@@ -50,6 +50,17 @@ def test_repo_level_layout(tok):
     assert prompts.repo_fim(tok, [], "x = ", "\n") == prompts.fim(tok, "x = ", "\n")
 
 
+def test_repo_files_without_repository_tokens_go_in_plain(tmp_path):
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, models, pre_tokenizers
+    hf = HFTokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens([AddedToken(t, special=True) for t in FIM_TOKENS[:3]])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    ids = prompts.repo_fim(tok, [("x.py", "a b"), ("y.py", "c")], "a", "b")
+    assert ids == [0, 1, 2, *prompts.fim(tok, "a", "b")]
+
+
 def test_stop_ids_cover_the_special_tokens_and_eos(tok):
     want = {special(tok, t) for t in ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>")}
     assert prompts.stop_ids(tok) == want | set(tok.eos_ids)
