@@ -37,9 +37,13 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
-    from ..serve.app import Server, create_app
+        from ..serve.app import Server, create_app
+    except ImportError as e:
+        raise NanoqwenError(f"nanoqwen serve needs fastapi, uvicorn and prometheus-client ({e}): "
+                            f"pip install fastapi uvicorn prometheus-client") from None
     from ..serve.metrics import Metrics
     from ..serve.model import load
     from ..serve.worker import Worker

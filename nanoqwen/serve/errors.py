@@ -1,14 +1,11 @@
 """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``, for every way a request can
-fail, with the matching HTTP status; the server stays up after each."""
+fail, with the matching HTTP status; the server stays up after each. The web framework is imported only
+where a response is made, so the engine thread, the prompt layouts and `nanoqwen chat` (which raise or
+share APIError) run without fastapi installed."""
 
 from __future__ import annotations
 
 import json
-
-from fastapi import Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -24,18 +21,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self):
+        from fastapi.responses import JSONResponse
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def validation(exc: ValidationError) -> APIError:
+def validation(exc) -> APIError:
+    """A pydantic ValidationError as a 400 naming the first bad field."""
     err = exc.errors()[0]
     param = ".".join(str(x) for x in err.get("loc", ())) or None
     return APIError(f"{param or 'body'}: {err.get('msg')}", param=param)
 
 
-async def parse(request: Request, model):
+async def parse(request, model):
     """The JSON body as ``model``, whatever the Content-Type says (curl -d sends form encoding)."""
+    from pydantic import ValidationError
     body = await request.body()
     try:
         data = json.loads(body)
@@ -47,10 +47,11 @@ async def parse(request: Request, model):
         raise validation(e) from None
 
 
-def _http(_request: Request, exc: HTTPException) -> JSONResponse:
+def _http(_request, exc):
     return APIError(str(exc.detail), status=exc.status_code).response()
 
 
 def install(app) -> None:
+    from starlette.exceptions import HTTPException
     app.add_exception_handler(APIError, lambda _r, e: e.response())
     app.add_exception_handler(HTTPException, _http)
