@@ -1,4 +1,4 @@
-"""`nanoqwen SUBCOMMAND ...`: pack, inspect, run, bench."""
+"""`nanoqwen SUBCOMMAND ...`: pack, inspect, run, bench, serve, chat, eval."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "inspect": ("nanoqwen.cli.inspect", "print a .nanoqwen header and tensor table; --verify checksums"),
     "run": ("nanoqwen.cli.run", "generate text"),
     "bench": ("nanoqwen.cli.bench", "benchmarks (pp512/tg128 protocol, --kernels for GEMV bandwidth)"),
+    "serve": ("nanoqwen.cli.serve", "OpenAI-compatible HTTP server (completions, chat, /infill for editors)"),
+    "chat": ("nanoqwen.cli.chat", "interactive multi-turn chat in the terminal"),
     "eval": ("nanoqwen.cli.eval", "score a model or an OpenAI-compatible server (humaneval pass@1, sandboxed)"),
 }
 

@@ -1,0 +1,73 @@
+"""`nanoqwen serve MODEL`: an OpenAI-compatible HTTP server (plus llama-server's /infill) for code
+completion and chat, on FastAPI + uvicorn. The port opens at once; the model loads and every kernel is
+built in the engine thread meanwhile, /health answering 503 until it is ready. Batch 1: requests run one at
+a time, in order, from a queue of --max-queue."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .. import NanoqwenError
+from ..backends import BACKENDS
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL", help=".nanoqwen file or Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens: the most one request may occupy (default: min(8192, the model's))")
+    p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="cuda, reference (numpy on the CPU) or auto (cuda when a GPU is present)")
+    p.add_argument("--eager", action="store_true", help="launch kernels one by one instead of CUDA graphs")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one runs; beyond, 503 with Retry-After (default 16)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
+                   help="largest request body accepted, else 413 (default 8 MiB)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the id /v1/models lists and requests name (default: MODEL's file or directory name)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with tokenizer.json (default: beside MODEL)")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from ..serve.app import Server, create_app
+    except ImportError as e:
+        raise NanoqwenError(f"nanoqwen serve needs fastapi, uvicorn and prometheus-client ({e}): "
+                            f"pip install fastapi uvicorn prometheus-client") from None
+    from ..serve.metrics import Metrics
+    from ..serve.model import load
+    from ..serve.worker import Worker
+
+    for opt, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 0),
+                       ("--max-body-bytes", args.max_body_bytes, 1)):
+        if v < lo:
+            raise NanoqwenError(f"{opt} must be at least {lo}, got {v}")
+    if not Path(args.model).exists():
+        raise NanoqwenError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
+    name = args.model_name or (Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name)
+    metrics, load_error = Metrics(), []
+
+    def stop(message: str) -> None:   # a model that cannot load is the command's error, not a 503 forever
+        load_error.append(message)
+        server.should_exit = True
+    worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log),
+                    metrics, args.max_queue, log=_log, on_load_error=stop)
+    app = create_app(Server(worker, metrics, name, api_key=args.api_key, max_body=args.max_body_bytes))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False))
+    worker.start()
+    _log(f"nanoqwen serve: {name} on http://{args.host}:{args.port} (loading; GET /health says 200 when ready)")
+    server.run()
+    if load_error:
+        raise NanoqwenError(load_error[0])
+    return 0 if server.started else 1

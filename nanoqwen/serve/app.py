@@ -1,0 +1,390 @@
+"""The HTTP routes: validate, tokenize, enqueue, and turn the engine thread's events into OpenAI (or
+llama-server) responses, streamed as SSE or whole. Nothing here waits on the GPU: the event loop only
+awaits the job's event queue, so /health, /metrics and queue refusals answer while a request runs."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..runtime.generate import ContextError, check_request
+from ..runtime.sampler import Sampling
+from . import errors, prompts
+from .errors import APIError, parse
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
+from .worker import Done, Failed, Job, Token
+
+OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Guard:
+    """ASGI middleware: body size limit (413), API key (401), and the request counter by endpoint and
+    status. Pure ASGI rather than BaseHTTPMiddleware, so streamed responses and disconnects pass untouched."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        srv, path = self.server, scope["path"]
+        scope.setdefault("state", {})["received"] = time.perf_counter()   # where server-side TTFT starts
+        endpoint = path if path in srv.endpoints else "other"
+        status = [500]
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        seen = [0]
+
+        async def limited_receive():
+            message = await receive()
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > srv.max_body:   # a chunked body without Content-Length
+                raise HTTPException(413, _too_large(srv.max_body).message)
+            return message
+        try:
+            headers = dict(scope["headers"])
+            if srv.api_key and path not in OPEN:
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                if not hmac.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode()):
+                    raise APIError("missing or wrong API key (send 'Authorization: Bearer KEY')", status=401,
+                                   code="invalid_api_key")
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > srv.max_body:
+                raise _too_large(srv.max_body)
+            await self.app(scope, limited_receive, counted_send)
+        except APIError as e:
+            await e.response()(scope, receive, counted_send)
+        finally:
+            srv.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _usage(prompt_tokens: int, done: Done) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+class Server:
+    def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20):
+        self.worker, self.metrics, self.model_id = worker, metrics, model_id
+        self.api_key, self.max_body, self.created = api_key, max_body, int(time.time())
+        self.endpoints: set[str] = set()
+
+    # ---- request checks ------------------------------------------------------------------------------
+
+    def ready(self):
+        if err := self.worker.unavailable():
+            raise err
+        return self.worker.engine, self.worker.tokenizer
+
+    def check_openai(self, body: Sampled) -> None:
+        if body.model not in (None, "", self.model_id):
+            raise APIError(f"the model {body.model!r} does not exist (this server serves {self.model_id!r})",
+                           status=404, param="model", code="model_not_found")
+        if body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
+            raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
+                           "request", param="n")
+
+    def fit(self, engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
+        """max_tokens, or all the room left (the last new token is never fed back, so it may take the
+        position after a full KV cache, within the model's positions); a request that cannot fit is a 400."""
+        room = min(engine.context + 1, engine.dims.max_positions) - len(prompt)
+        n = room if max_tokens is None else max_tokens
+        try:
+            if max_tokens is None and n < 1:
+                raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
+                                   f"tokens: no room to generate")
+            check_request(engine.dims, prompt, n, engine.context)
+        except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
+            raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
+                           param=param) from None
+        return n
+
+    @staticmethod
+    def sampling(body) -> Sampling:
+        return Sampling(body.temperature, body.top_p, body.seed)
+
+    # ---- the engine's events -------------------------------------------------------------------------
+
+    def submit(self, request: Request, job: Job) -> Job:
+        job.received = request.state.received
+        self.worker.submit(job)
+        return job
+
+    async def events(self, job: Job, request: Request | None = None):
+        """The job's events up to Done; a Failed raises. Leaving early (a disconnect cancels the streaming
+        task; ``request`` is polled when the response is not streamed) cancels the generation."""
+        finished = False
+        try:
+            while True:
+                if request is None:
+                    ev = await job.events.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(job.events.get(), 0.5)
+                    except TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                if isinstance(ev, Failed):
+                    finished = True
+                    raise ev.error
+                yield ev
+                if isinstance(ev, Done):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.worker.cancel(job)
+
+    async def collect(self, job: Job, request: Request) -> tuple[str, list, Done | None]:
+        text, logprobs, done = [], [], None
+        async with aclosing(self.events(job, request)) as events:
+            async for ev in events:
+                text.append(ev.text)
+                if isinstance(ev, Token) and ev.logprobs:
+                    logprobs.append(ev.logprobs)
+                if isinstance(ev, Done):
+                    done = ev
+        return "".join(text), logprobs, done
+
+    async def stream(self, job: Job, first: bytes, chunk, final):
+        """SSE: ``first`` (maybe empty), ``chunk(event)`` per token with text or logprobs, ``final(done)``
+        (a list of objects), then ``data: [DONE]``. An engine error after the 200 goes in-band."""
+        if first:
+            yield first
+        try:
+            async with aclosing(self.events(job)) as events:   # closed at once when the client leaves
+                async for ev in events:
+                    if isinstance(ev, Token):
+                        if ev.text or ev.logprobs:
+                            yield _sse(chunk(ev.text, ev.logprobs))
+                    else:
+                        for obj in final(ev):
+                            yield _sse(obj)
+        except APIError as e:
+            yield _sse(e.body())
+        yield b"data: [DONE]\n\n"
+
+
+def _completion_logprobs(items: list, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for text, lp, top in items:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(dict(top))
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(items: list) -> dict:
+    def entry(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [entry(text, lp) | {"top_logprobs": [entry(t, p) for t, p in top]}
+                        for text, lp, top in items]}
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    app.add_middleware(Guard, server=server)
+    srv = server
+
+    @app.get("/health")
+    async def health():
+        if err := srv.worker.unavailable():
+            raise err
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        engine = srv.worker.engine
+        return {"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": srv.created,
+                                            "owned_by": "nanoqwen",
+                                            "max_model_len": engine.context if engine else None}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest)
+        _engine, tok = srv.ready()
+        ids = tok.encode(body.content)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest)
+        engine, tok = srv.ready()
+        bad = [t for t in body.tokens if not 0 <= t < engine.dims.vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {engine.dims.vocab})", param="tokens")
+        return {"content": tok.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
+        srv.check_openai(body)
+        engine, tok = srv.ready()
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(f"one prompt per request (got {len(p)}): the engine is batch 1", param="prompt")
+            p = p[0]
+        if body.suffix is not None:
+            if not isinstance(p, str):
+                raise APIError("suffix (fill in the middle) needs a text prompt", param="suffix")
+            ids = prompts.fim(tok, p, body.suffix)
+        else:
+            ids = tok.encode(p) if isinstance(p, str) else list(p)
+        if body.echo and body.logprobs is not None:
+            raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                           param="echo")
+        n = srv.fit(engine, ids, body.max_tokens, "max_tokens")
+        echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def obj(text, finish=None, logprobs=None):
+            return {"id": cid, "object": "text_completion", "created": created, "model": srv.model_id,
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+        if not body.stream:
+            text, lps, done = await srv.collect(job, request)
+            if done is None:
+                return Response(status_code=499)
+            out = obj(echo + text, done.finish_reason,
+                      _completion_logprobs(lps, len(echo)) if body.logprobs is not None else None)
+            return out | {"usage": _usage(len(ids), done)}
+
+        offset = [len(echo)]
+
+        def chunk(text, lp):
+            logprobs = None
+            if lp is not None:
+                logprobs = _completion_logprobs([lp], offset[0])
+                offset[0] += len(lp[0])
+            return obj(text, logprobs=logprobs)
+
+        def final(done):
+            out = ([obj(done.text)] if done.text else []) + [obj("", done.finish_reason)]
+            if body.include_usage:
+                out.append({**obj(""), "choices": [], "usage": _usage(len(ids), done)})
+            return out
+        return StreamingResponse(srv.stream(job, _sse(obj(echo)) if echo else b"", chunk, final),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse(request, ChatRequest)
+        srv.check_openai(body)
+        engine, tok = srv.ready()
+        try:
+            ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
+            raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
+        n = srv.fit(engine, ids, body.max_completion_tokens or body.max_tokens,
+                    "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def obj(kind, choice):
+            return {"id": cid, "object": kind, "created": created, "model": srv.model_id,
+                    "choices": [{"index": 0, "logprobs": None, "finish_reason": None} | choice]}
+
+        if not body.stream:
+            text, lps, done = await srv.collect(job, request)
+            if done is None:
+                return Response(status_code=499)
+            return obj("chat.completion", {"message": {"role": "assistant", "content": text},
+                                           "logprobs": _chat_logprobs(lps) if body.logprobs else None,
+                                           "finish_reason": done.finish_reason}) | {"usage": _usage(len(ids), done)}
+
+        def chunk(text, lp):
+            return obj("chat.completion.chunk", {"delta": {"content": text},
+                                                 "logprobs": _chat_logprobs([lp]) if lp else None})
+
+        def final(done):
+            out = ([chunk(done.text, None)] if done.text else []) + \
+                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": done.finish_reason})]
+            if body.include_usage:
+                out.append({**obj("chat.completion.chunk", {}), "choices": [], "usage": _usage(len(ids), done)})
+            return out
+        first = _sse(obj("chat.completion.chunk", {"delta": {"role": "assistant", "content": ""}}))
+        return StreamingResponse(srv.stream(job, first, chunk, final), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        body = await parse(request, InfillRequest)
+        engine, tok = srv.ready()
+        ids = prompts.repo_fim(tok, [(f.filename, f.text) for f in body.input_extra],
+                               body.input_prefix + body.prompt, body.input_suffix)
+        if body.n_predict == 0:
+            raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
+        n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
+        job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
+
+        def final_fields(done: Done, content: str) -> dict:
+            prompt_n = len(ids) - done.cached_tokens
+            gen_n = done.completion_tokens
+            return {"index": 0, "content": content, "stop": True, "model": srv.model_id,
+                    "tokens_predicted": gen_n, "tokens_evaluated": len(ids), "tokens_cached": done.cached_tokens,
+                    "truncated": False, "has_new_line": "\n" in content,
+                    "stop_type": "word" if done.stop_word else ("limit" if done.finish_reason == "length" else "eos"),
+                    "stopping_word": done.stop_word or "",
+                    "timings": {"prompt_n": prompt_n, "prompt_ms": 1e3 * done.prompt_s,
+                                "prompt_per_token_ms": 1e3 * done.prompt_s / max(prompt_n, 1),
+                                "prompt_per_second": prompt_n / done.prompt_s if done.prompt_s else 0.0,
+                                "predicted_n": gen_n, "predicted_ms": 1e3 * done.decode_s,
+                                "predicted_per_token_ms": 1e3 * done.decode_s / max(gen_n - 1, 1),
+                                "predicted_per_second": (gen_n - 1) / done.decode_s if done.decode_s else 0.0}}
+
+        if not body.stream:
+            text, _lps, done = await srv.collect(job, request)
+            if done is None:
+                return Response(status_code=499)
+            return final_fields(done, text)
+
+        async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
+            try:
+                async with aclosing(srv.events(job)) as events:
+                    async for ev in events:
+                        if isinstance(ev, Token):
+                            if ev.text:
+                                yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
+                        else:
+                            yield _sse(final_fields(ev, ev.text))
+            except APIError as e:
+                yield _sse(e.body())
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    srv.endpoints = {r.path for r in app.routes}
+    return app

@@ -1,0 +1,70 @@
+"""`nanoqwen serve` as a child process, for the tests and the server benchmark: started on a free port of
+127.0.0.1, ready once /health says 200, read through /metrics, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .. import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str | Path, *args: str, backend: str = "reference", log_dir: Path,
+                 env: dict | None = None, timeout: float = 180):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   **(env or {}))
+        self.log = open(Path(log_dir) / f"serve-{self.port}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model),
+                                      "--backend", backend, "--host", "127.0.0.1", "--port", str(self.port), *args],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nanoqwen serve exited with {self.proc.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"nanoqwen serve not ready in {timeout:.0f} s:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample of /metrics (0 when the series does not exist yet)."""
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.rsplit(" ", 1)[0] == want:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

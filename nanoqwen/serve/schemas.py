@@ -1,0 +1,96 @@
+"""Request bodies, with OpenAI's field names (and llama-server's for /infill, /tokenize, /detokenize).
+Fields a client may send but that change nothing here (user, penalties, cache_prompt, ...) are ignored;
+fields whose meaning the server cannot honour (n > 1, a batch of prompts) are refused by the routes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampled(BaseModel):
+    """The sampling fields shared by the OpenAI endpoints (OpenAI's defaults)."""
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(Sampled):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    suffix: str | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(Sampled):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ExtraFile(BaseModel):
+    filename: str = ""
+    text: str
+
+
+class InfillRequest(BaseModel):
+    """llama-server's /infill (what llama.vim and llama.vscode send). Greedy unless told otherwise: the
+    same buffer gives the same completion."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""
+    n_predict: int = Field(-1, ge=-1)
+    stream: bool = False
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class TokenizeRequest(BaseModel):
+    content: str
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]

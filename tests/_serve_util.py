@@ -1,0 +1,56 @@
+"""Helpers of the server tests: the test model with Qwen2.5-Coder's FIM and repository tokens, a real
+`nanoqwen serve` process on a free port, and the greedy answer of the reference engine in-process (what
+the server must return)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from nanoqwen import testmodels
+from nanoqwen.serve.launch import ServerProcess
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+
+def fim_model_dir(dst: Path) -> Path:
+    """small-py with the FIM / repository special tokens. Tokens its tokenizer lacks are appended, and the
+    embedding and lm_head grow to a multiple of 128 rows (kernel-friendly), the new rows copying
+    <|im_start|>'s, which greedy decoding never prefers (ties go to the lower id)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    shutil.copytree(testmodels.SMALL_PY_DIR, dst)
+    tok = Tokenizer.from_file(str(dst / "tokenizer.json"))
+    missing = [t for t in FIM_TOKENS if tok.token_to_id(t) is None]
+    if not missing:
+        return dst
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    tok.save(str(dst / "tokenizer.json"))
+    cfg = json.loads((dst / "config.json").read_text())
+    vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 128) * 128
+    w = load_file(str(dst / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        extra = w[name][1:2].expand(vocab - cfg["vocab_size"], -1)
+        w[name] = torch.cat([w[name], extra]).contiguous()
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg | {"vocab_size": vocab}, indent=2))
+    return dst
+
+
+def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path) -> ServerProcess:
+    """A real `nanoqwen serve` on a free port with its own kernel / model cache."""
+    return ServerProcess(model, *args, backend=backend, log_dir=cache_dir, env={"NANOQWEN_CACHE_DIR": str(cache_dir)})
+
+
+def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> list[int]:
+    """The engine's greedy tokens for ``prompt``, a final stop token included (what usage counts)."""
+    from nanoqwen.runtime.sampler import Sampling
+    out = []
+    for t in engine.generate(prompt, max_tokens, Sampling()):
+        out.append(t)
+        if t in stop:
+            break
+    return out
