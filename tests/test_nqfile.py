@@ -10,9 +10,9 @@ import pytest
 
 from nanoqwen.config import default
 from nanoqwen.dims import ModelDims
-from nanoqwen.nqfile import (FP16, INT4, NanoqwenFile, NqFileError, TensorInfo, Writer, _CRC_AT, _HEADER,
-                             _HEADER_FIELDS, _encode_table, expected_tensors, weight_tensors)
-from nanoqwen.quant import pack, quantize
+from nanoqwen.nqfile import (ALIGNMENT, FP16, HEADER_BYTES, INT4, NanoqwenFile, NqFileError, TensorInfo, Writer,
+                             _CRC_AT, _HEADER, _HEADER_FIELDS, _encode_table, expected_tensors, weight_tensors)
+from nanoqwen.quant import LAYOUT_ID, pack, quantize
 
 CFG = default()
 DIMS = ModelDims(hidden=128, layers=1, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=96,
@@ -72,7 +72,7 @@ def _rewrite_table(path: Path, edit) -> None:
     data = bytearray(path.read_bytes())
     data[h["table_offset"]:h["table_offset"] + len(table)] = table
     path.write_bytes(bytes(data))
-    _rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), tensor_count=len(entries))
+    _rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), entry_count=len(entries))
 
 
 def _fails(path: Path, pattern: str, verify=False):
@@ -93,7 +93,7 @@ def test_round_trip(tmp_path):
     f = NanoqwenFile(path)
     f.verify()
     assert f.dims == DIMS and f.synthetic
-    assert f.header["layout_id"] == CFG.quant.layout_id and f.header["group_size"] == CFG.quant.group_size
+    assert f.header["layout_id"] == LAYOUT_ID and f.header["group_size"] == CFG.quant.group_size
     assert list(f.tensors) == list(expected_tensors(DIMS))
     for name, v in t.items():
         if isinstance(v, tuple):
@@ -104,8 +104,8 @@ def test_round_trip(tmp_path):
         else:
             np.testing.assert_array_equal(f.array(name), v)
     for e in f.tensors.values():
-        assert e.offset % CFG.file.alignment == 0
-    assert f.header["data_offset"] % CFG.file.alignment == 0 and f.size == path.stat().st_size
+        assert e.offset % ALIGNMENT == 0
+    assert f.header["data_offset"] % ALIGNMENT == 0 and f.size == path.stat().st_size
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path):
@@ -166,7 +166,7 @@ def test_trailing_bytes(good):
 
 def test_bad_table_checksum(good):
     data = bytearray(good.read_bytes())
-    data[CFG.file.header_bytes + 5] ^= 1
+    data[HEADER_BYTES + 5] ^= 1
     good.write_bytes(bytes(data))
     _fails(good, r": table checksum: ")
 
