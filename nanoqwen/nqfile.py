@@ -400,18 +400,23 @@ class NanoqwenFile:
             self._fail(f"{'blob' if e.tag == BYTES else 'tensor'} {e.name}",
                        f"payload checksum {crc:#010x} != stored {e.crc:#010x} (corrupted)")
 
-    def checker(self, workers: int | None = None, release_pages: bool = False) -> "PayloadChecker":
-        """Starts checksumming every payload on a thread pool, in file order; ``check(name)`` waits for one."""
-        return PayloadChecker(self, workers, release_pages)
+    def checker(self, order: list[str] | None = None, workers: int | None = None,
+                release_pages: bool = False) -> "PayloadChecker":
+        """Starts checksumming the payloads ``order`` names (default: every entry, in file order) on a thread
+        pool, in that order; ``check(name)`` waits for one."""
+        return PayloadChecker(self, order, workers, release_pages)
 
     def verify(self, progress=None, workers: int | None = None) -> None:
         """Check every payload's CRC-32; ``progress(nbytes)`` is called as payloads are checked. The checked
         pages are dropped from this process's RSS (they stay in the page cache)."""
-        with self.checker(workers, release_pages=True) as c:
-            for e in sorted([*self.tensors.values(), *self.blobs.values()], key=lambda e: e.offset):
+        with self.checker(workers=workers, release_pages=True) as c:
+            for e in self._entries_in_file_order():
                 c.check(e.name)
                 if progress:
                     progress(e.nbytes)
+
+    def _entries_in_file_order(self) -> list[TensorInfo]:
+        return sorted([*self.tensors.values(), *self.blobs.values()], key=lambda e: e.offset)
 
     def __enter__(self) -> "NanoqwenFile":
         return self
@@ -425,20 +430,26 @@ class NanoqwenFile:
 
 
 class PayloadChecker:
-    """CRC-32 of every payload of ``f``, computed ahead on a thread pool (checksum.ParallelCRC) so that a loader
-    can ``check(name)`` each tensor right before it uses it at almost no cost: the pool runs ahead of the
-    consumer. A mismatch is an NqFileError naming the file and the tensor."""
+    """CRC-32 of payloads of ``f``, computed ahead on a thread pool (checksum.ParallelCRC) so that a loader can
+    ``check(name)`` each tensor right before it uses it at almost no cost: the pool runs ahead of the consumer
+    when both go through the same ``order``. A mismatch is an NqFileError naming the file and the tensor."""
 
-    def __init__(self, f: NanoqwenFile, workers: int | None = None, release_pages: bool = False):
+    def __init__(self, f: NanoqwenFile, order: list[str] | None = None, workers: int | None = None,
+                 release_pages: bool = False):
         self.file = f
-        entries = sorted([*f.tensors.values(), *f.blobs.values()], key=lambda e: e.offset)
         self._crc = ParallelCRC(f._mm, workers, release=f._mm if release_pages else None)
-        for e in entries:
-            self._crc.submit(e.name, e.offset, e.nbytes)
+        for name in order if order is not None else [e.name for e in f._entries_in_file_order()]:
+            e = self._entry(name)
+            self._crc.submit(name, e.offset, e.nbytes)
+
+    def _entry(self, name: str) -> TensorInfo:
+        e = self.file.tensors.get(name) or self.file.blobs.get(name)
+        if e is None:
+            raise NqFileError(f"{self.file.path}: {name}: no such entry")
+        return e
 
     def check(self, name: str) -> None:
-        f = self.file
-        f._check_crc(f.tensors.get(name) or f.blobs[name], self._crc.result(name))
+        self.file._check_crc(self._entry(name), self._crc.result(name))
 
     def close(self) -> None:
         self._crc.close()

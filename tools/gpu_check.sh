@@ -10,6 +10,7 @@
 #   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b --no-baseline` (synthetic 7B, config protocol, ITL plot, profile)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
+#   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,5 +59,6 @@ fi
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
+[ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
 grep -a -E "^== " "$LOG"
 exit $status

@@ -10,9 +10,9 @@ vector loads and 128-byte L2 lines never straddle two tensors.
 The layout is computed on the host (``plan``) without a GPU, so CPU tests check it; ``upload`` copies
 from the file's mmap straight into the allocation, tensor by tensor (no host copy of the model).
 
-Verification: a thread pool computes every payload's CRC-32 ahead of the copies (NanoqwenFile.checker), and
-each tensor is checked right before its copy, so a corrupt byte never reaches the GPU; the pool outruns the
-copies, so this costs little more than its head start on the first tensor."""
+Verification: a thread pool computes every payload's CRC-32 ahead of the copies (NanoqwenFile.checker), in
+the copy order, and each tensor is checked right before its copy, so a corrupt byte never reaches the GPU.
+The pool (all cores) outruns the copy, so the copy waits only for the first, small tensor."""
 
 from __future__ import annotations
 
@@ -125,9 +125,12 @@ class Weights:
                                f"only {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB is free")
         self.buffer = driver.DeviceBuffer(self.plan.nbytes)
         base = self.buffer.ptr
+        # the 1 GB embedding goes last: the checksum pool works in the copy order, so no copy waits for it
+        regions = sorted({id(r): r for r in self.plan.regions.values()}.values(), key=lambda r: r.name == "embed")
+        order = [_entry(t, w) for r in regions for t, w in r.parts]
         try:
-            with f.checker() if verify else contextlib.nullcontext() as checker:
-                for r in {id(r): r for r in self.plan.regions.values()}.values():
+            with f.checker(order) if verify else contextlib.nullcontext() as checker:
+                for r in regions:
                     at = base + r.offset
                     for tensor, what in r.parts:
                         if checker:
