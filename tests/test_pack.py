@@ -54,7 +54,7 @@ def test_cli_pack_and_inspect(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layout 1 (ValueShuffle)" in text and "real weights" in text and "checksums OK" in text
     assert "model.layers.1.mlp.down_proj.weight.scales" in text and "INT4 scales" in text
-    assert "tokenizer none: " in text and "packed from a directory without tokenizer.json" in text
+    assert "tokenizer unavailable: " in text and "packed from a directory without tokenizer.json" in text
 
 
 def test_inspect_shows_the_stored_tokenizer(tmp_path, capsys):

@@ -23,7 +23,7 @@ def _print_tokenizer(f: NanoqwenFile) -> None:
     try:
         tok = tokenizer.stored(f)
     except tokenizer.TokenizerError as e:
-        print(f"tokenizer none: {e}")
+        print(f"tokenizer unavailable: {e}")
         return
     files = ", ".join(f"{b.name} ({b.nbytes:,} bytes)" for b in f.blobs.values())
     special = {k: v for k, v in tok.special_tokens.items() if v is not None}

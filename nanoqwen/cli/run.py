@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="HF directory whose tokenizer replaces the model's (default: the one MODEL stores)")
     p.add_argument("--no-verify", action="store_true",
-                   help="skip the payload checksums while loading (they cost a few percent of the load time)")
+                   help="skip the payload checksums while loading")
 
 
 def _log(msg: str) -> None:
