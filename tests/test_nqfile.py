@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corrupt import flip_payload_bytes
 
 from nanoqwen import checksum
 from nanoqwen.config import default
@@ -160,15 +161,9 @@ def test_parallel_check_finds_flips_in_any_chunk(good, monkeypatch):
     """Payloads cut into many chunks across the pool: a flip in a middle chunk of one tensor is found, named,
     and the tensors checked before it pass."""
     monkeypatch.setattr(checksum, "CHUNK", 1000)
-    f = NanoqwenFile(good)
     target = "model.layers.0.mlp.up_proj.weight"
-    e = f.tensors[target]
-    assert e.nbytes > 5 * 1000
-    del f
-    data = bytearray(good.read_bytes())
-    for i in range(4):  # 4 flipped payload bytes in the third chunk
-        data[e.offset + 2500 + 7 * i] ^= 0xFF
-    good.write_bytes(bytes(data))
+    assert NanoqwenFile(good).tensors[target].nbytes > 5 * 1000
+    flip_payload_bytes(good, target, start=2500)  # in the third chunk
     f = NanoqwenFile(good)
     with f.checker(workers=3) as c:
         for name in f.tensors:

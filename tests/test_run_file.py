@@ -6,15 +6,14 @@ line naming the file and the tensor unless --no-verify. CPU, reference backend, 
 from __future__ import annotations
 
 import shutil
-import struct
-import zlib
 
 import pytest
+from _corrupt import flip_payload_bytes, set_version
 
 from nanoqwen import testmodels
 from nanoqwen.cli.main import main
 from nanoqwen.hf import HFCheckpoint
-from nanoqwen.nqfile import _CRC_AT, NanoqwenFile
+from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_hf
 from nanoqwen.tokenizer import FILES
 
@@ -58,10 +57,7 @@ def test_version_1_file_needs_tokenizer(capsys, alone, tmp_path):
     shutil.copytree(testmodels.SMALL_PY_DIR, hf, ignore=shutil.ignore_patterns(*FILES))
     v1 = tmp_path / "v1.nanoqwen"
     pack_hf(HFCheckpoint(hf), v1, workers=1)
-    data = bytearray(v1.read_bytes())
-    struct.pack_into("<I", data, 8, 1)  # the version follows the 8-byte magic
-    struct.pack_into("<I", data, _CRC_AT, zlib.crc32(data[:_CRC_AT]))
-    v1.write_bytes(bytes(data))
+    set_version(v1, 1)
     assert NanoqwenFile(v1).version == 1
     rc, _, errors = run(capsys, v1)
     assert rc == 1 and errors == [f"error: {v1}: the file holds no tokenizer (format version 1 stores none); "
@@ -72,11 +68,8 @@ def test_version_1_file_needs_tokenizer(capsys, alone, tmp_path):
 
 def test_flipped_payload_bytes_fail_unless_no_verify(capsys, alone, tmp_path):
     bad = tmp_path / "flipped.nanoqwen"
-    e = NanoqwenFile(alone).tensors[TENSOR]
-    data = bytearray(alone.read_bytes())
-    for i in range(4):
-        data[e.offset + 1000 + 11 * i] ^= 0x5A
-    bad.write_bytes(bytes(data))
+    shutil.copyfile(alone, bad)
+    flip_payload_bytes(bad, TENSOR)
     rc, out, errors = run(capsys, bad)
     assert rc == 1 and out == "" and len(errors) == 1, errors
     assert errors[0].startswith(f"error: {bad}: tensor {TENSOR}: payload checksum ") and "corrupted" in errors[0]

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
-import zlib
 
 import pytest
+from _corrupt import set_version
 
 from nanoqwen import testmodels
 from nanoqwen.dims import ModelDims
 from nanoqwen.hf import HFCheckpoint
-from nanoqwen.nqfile import _CRC_AT, NanoqwenFile, NqFileError
+from nanoqwen.nqfile import NanoqwenFile, NqFileError
 from nanoqwen.pack import pack_hf, pack_random
 from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
 
@@ -123,10 +122,7 @@ def _random_file(path, vocab: int, version: int = 2):
                      max_positions=512, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False)
     pack_random(dims, path, workers=1)
     if version != 2:
-        data = bytearray(path.read_bytes())
-        struct.pack_into("<I", data, 8, version)  # the version follows the 8-byte magic
-        struct.pack_into("<I", data, _CRC_AT, zlib.crc32(data[:_CRC_AT]))
-        path.write_bytes(bytes(data))
+        set_version(path, version)
     return path
 
 

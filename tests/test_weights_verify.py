@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _corrupt import flip_payload_bytes
 
 from nanoqwen.nqfile import NanoqwenFile, NqFileError
 from nanoqwen.pack import pack_random
@@ -67,14 +68,6 @@ def _expected(f: NanoqwenFile, region: W.Region) -> bytes:
     return b"".join(np.ascontiguousarray(W._source(f, t, w)).tobytes() for t, w in region.parts)
 
 
-def _flip(path, tensor: str) -> None:
-    e = NanoqwenFile(path).tensors[tensor]
-    data = bytearray(path.read_bytes())
-    for i in range(4):
-        data[e.offset + 40 + 3 * i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def test_good_file_uploads_byte_for_byte(fake, model):
     f = NanoqwenFile(model)
     w = W.Weights(f)
@@ -85,7 +78,7 @@ def test_good_file_uploads_byte_for_byte(fake, model):
 
 
 def test_corrupt_tensor_never_reaches_the_device(fake, model):
-    _flip(model, TARGET)
+    flip_payload_bytes(model, TARGET)
     f = NanoqwenFile(model)
     with pytest.raises(NqFileError) as ei:
         W.Weights(f)
@@ -98,7 +91,7 @@ def test_corrupt_tensor_never_reaches_the_device(fake, model):
 
 
 def test_no_verify_uploads_as_is(fake, model):
-    _flip(model, TARGET)
+    flip_payload_bytes(model, TARGET)
     f = NanoqwenFile(model)
     w = W.Weights(f, verify=False)
     region = w.plan.regions["L1.gate.packed"]
