@@ -19,6 +19,7 @@ from . import NanoqwenError
 from .codegen.cache import cache_dir
 from .config import Config, default
 from .nqfile import VERSION as FORMAT_VERSION
+from .tokenizer import FILES as TOKENIZER_FILES
 from .progress import Progress
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -47,7 +48,8 @@ def content_key(hf_dir: Path, cfg: Config) -> str:
     except (OSError, ValueError):
         memo = {}
     memo = memo if isinstance(memo, dict) else {}  # a corrupt memo is a miss, never a crash
-    files = sorted(p for p in hf_dir.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".json")))
+    files = sorted(p for p in hf_dir.iterdir()  # the weights and every file the packed file stores
+                   if p.is_file() and (p.suffix in (".safetensors", ".json") or p.name in TOKENIZER_FILES))
     h = hashlib.sha256(json.dumps([asdict(cfg.quant), FORMAT_VERSION], sort_keys=True).encode())
     for p in files:
         h.update(f"{p.name}\0{_file_digest(p, memo)}\0".encode())

@@ -18,7 +18,9 @@ from .dims import ModelDims
 from .nqfile import NanoqwenFile
 
 # What a .nanoqwen file stores of a HF directory, as blobs under these names; tokenizer.json is required.
-FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# Recent transformers save the chat template in chat_template.jinja (which then wins, as in transformers)
+# rather than in tokenizer_config.json.
+FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 class TokenizerError(NanoqwenError):
@@ -96,6 +98,11 @@ class Tokenizer:
         self.generation_config = _parse_json(files, "generation_config.json", where)
         gen = self.generation_config
         template = self.config.get("chat_template")
+        if "chat_template.jinja" in files:
+            try:
+                template = files["chat_template.jinja"].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{where}chat_template.jinja: cannot read: {e}") from None
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
@@ -129,7 +136,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.chat_template is None:
-            raise TokenizerError(f"{self.where}tokenizer_config.json: no chat_template")
+            raise TokenizerError(f"{self.where}tokenizer_config.json: no chat_template (and no chat_template.jinja)")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -75,3 +75,15 @@ def test_flipped_payload_bytes_fail_unless_no_verify(capsys, alone, tmp_path):
     assert errors[0].startswith(f"error: {bad}: tensor {TENSOR}: payload checksum ") and "corrupted" in errors[0]
     rc, out, errors = run(capsys, bad, "--no-verify")
     assert rc == 0 and not errors and out.startswith(PROMPT)
+
+
+def test_cache_key_covers_every_stored_tokenizer_file(tmp_path, monkeypatch):
+    """The packed file carries the tokenizer, so a new chat_template.jinja must repack a cached directory."""
+    from nanoqwen.modelcache import resolve
+    monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path / "cache"))
+    hf = tmp_path / "hf"
+    shutil.copytree(testmodels.SMALL_PY_DIR, hf)
+    first = resolve(hf, log=lambda m: None)[0]
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    second = resolve(hf, log=lambda m: None)[0]
+    assert second != first and NanoqwenFile(second).blob("chat_template.jinja") is not None

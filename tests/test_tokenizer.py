@@ -128,7 +128,8 @@ def _random_file(path, vocab: int, version: int = 2):
 
 def test_file_stores_the_directory_files_verbatim(packed):
     f = NanoqwenFile(packed)
-    assert {n: f.blob(n) for n in FILES} == {n: (DIR / n).read_bytes() for n in FILES}
+    stored = {n: data for n in FILES if (data := f.blob(n)) is not None}
+    assert "tokenizer.json" in stored and stored == {n: (DIR / n).read_bytes() for n in FILES if (DIR / n).exists()}
 
 
 def test_stored_tokenizer_equals_the_directory_one(tok, packed):
@@ -191,3 +192,19 @@ def test_pack_checks_the_tokenizer_it_stores(tmp_path):
     with pytest.raises(TokenizerError, match=r"hf/tokenizer\.json: cannot load"):
         pack_hf(HFCheckpoint(hf), tmp_path / "m.nanoqwen")
     assert not (tmp_path / "m.nanoqwen").exists()
+
+
+def test_chat_template_jinja_file_is_read_and_stored(tmp_path, tok):
+    """transformers >= 4.43 may save the template as chat_template.jinja beside a tokenizer_config.json without
+    one: the directory and the packed file both use it."""
+    hf = tmp_path / "hf"
+    shutil.copytree(DIR, hf)
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.nanoqwen"
+    pack_hf(HFCheckpoint(hf), out, workers=1)
+    for t in (Tokenizer(hf), load(out)):
+        assert t.chat_template == tok.chat_template
+        assert t.encode_chat(CHATS[1]) == tok.encode_chat(CHATS[1])
+    assert NanoqwenFile(out).blob("chat_template.jinja") == (hf / "chat_template.jinja").read_bytes()
