@@ -410,13 +410,21 @@ class NanoqwenFile:
         """Check every payload's CRC-32; ``progress(nbytes)`` is called as payloads are checked. The checked
         pages are dropped from this process's RSS (they stay in the page cache)."""
         with self.checker(workers=workers, release_pages=True) as c:
-            for e in self._entries_in_file_order():
+            for e in self.entries:
                 c.check(e.name)
                 if progress:
                     progress(e.nbytes)
 
-    def _entries_in_file_order(self) -> list[TensorInfo]:
+    @property
+    def entries(self) -> list[TensorInfo]:
+        """Every table entry, tensors and blobs, in file order."""
         return sorted([*self.tensors.values(), *self.blobs.values()], key=lambda e: e.offset)
+
+    def entry(self, name: str) -> TensorInfo:
+        e = self.tensors.get(name) or self.blobs.get(name)
+        if e is None:
+            raise NqFileError(f"{self.path}: {name}: no such entry")
+        return e
 
     def __enter__(self) -> "NanoqwenFile":
         return self
@@ -438,18 +446,11 @@ class PayloadChecker:
                  release_pages: bool = False):
         self.file = f
         self._crc = ParallelCRC(f._mm, workers, release=f._mm if release_pages else None)
-        for name in order if order is not None else [e.name for e in f._entries_in_file_order()]:
-            e = self._entry(name)
-            self._crc.submit(name, e.offset, e.nbytes)
-
-    def _entry(self, name: str) -> TensorInfo:
-        e = self.file.tensors.get(name) or self.file.blobs.get(name)
-        if e is None:
-            raise NqFileError(f"{self.file.path}: {name}: no such entry")
-        return e
+        for e in f.entries if order is None else map(f.entry, order):
+            self._crc.submit(e.name, e.offset, e.nbytes)
 
     def check(self, name: str) -> None:
-        self.file._check_crc(self._entry(name), self._crc.result(name))
+        self.file._check_crc(self.file.entry(name), self._crc.result(name))
 
     def close(self) -> None:
         self._crc.close()

@@ -48,13 +48,13 @@ def run(args) -> int:
     print("dims      " + ", ".join(f"{k}={v}" for k, v in f.dims.to_dict().items()))
     _print_tokenizer(f)
     if not args.no_table:
-        width = max(len(n) for n in [*f.tensors, *f.blobs])
+        width = max(len(e.name) for e in f.entries)
         print(f"\n{'name':<{width}}  tag   {'shape':<14} {'offset':>14} {'bytes':>14}")
-        for e in sorted([*f.tensors.values(), *f.blobs.values()], key=lambda e: e.offset):
+        for e in f.entries:
             print(f"{e.name:<{width}}  {e.tag_name:<5} {'x'.join(map(str, e.shape)):<14} {e.offset:>14,} {e.nbytes:>14,}")
     count, nbytes = Counter(), Counter()
     weights = weight_tensors(f.dims, f.cfg)
-    for e in [*f.tensors.values(), *f.blobs.values()]:
+    for e in f.entries:
         kind = e.tag_name if e.name in weights or e.name in f.blobs else "INT4 scales"
         count[kind] += 1
         nbytes[kind] += e.nbytes
@@ -62,7 +62,7 @@ def run(args) -> int:
     for kind in sorted(count):
         print(f"  {kind:<12} {count[kind]:>5} entries {nbytes[kind] / 1e9:>9.3f} GB")
     if args.verify:
-        bar = Progress(sum(e.nbytes for e in [*f.tensors.values(), *f.blobs.values()]), "verify")
+        bar = Progress(sum(e.nbytes for e in f.entries), "verify")
         f.verify(progress=bar)
         bar.close()
         print("checksums OK")
