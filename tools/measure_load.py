@@ -27,7 +27,7 @@ import time
 import zlib
 from pathlib import Path
 
-from nanoqwen import config
+from nanoqwen import checksum, config
 from nanoqwen.bench import protocol
 from nanoqwen.bench.kernels import git_commit
 from nanoqwen.nqfile import NanoqwenFile
@@ -46,7 +46,7 @@ def crc_throughput(path: Path) -> dict:
     f = NanoqwenFile(path)
     pool = min(_timed(f.verify) for _ in range(2))
     return {"serial_GBps": len(buf) / serial / 1e9, "pool_GBps": f.size / pool / 1e9, "pool_s": pool,
-            "workers": os.cpu_count()}
+            "workers": checksum.DEFAULT_WORKERS}
 
 
 def cuda_load(path: Path, verify: bool) -> dict:
@@ -96,7 +96,7 @@ def main() -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": git_commit(),
               "cpu_count": os.cpu_count(), "file_bytes": path.stat().st_size, "crc": crc_throughput(path)}
     log(f"crc32: {result['crc']['serial_GBps']:.2f} GB/s on one core, {result['crc']['pool_GBps']:.2f} GB/s "
-        f"through the pool of {os.cpu_count()}")
+        f"through the pool of {checksum.DEFAULT_WORKERS}")
     samples = {"verify": [], "no_verify": []}
     for rep in range(args.reps + 1):  # alternate the modes so drift hits both; the first pair warms up
         for mode in ("verify", "no_verify") if rep % 2 else ("no_verify", "verify"):
