@@ -31,11 +31,13 @@ class ReferenceEngine:
 
     name = "reference (numpy INT4 simulation, CPU)"
 
-    def __init__(self, path: str | Path, context: int):
+    def __init__(self, path: str | Path, context: int, verify: bool = True):
         from .nqfile import NanoqwenFile
         from .reference import Fp32Weights, Reference
 
         f = NanoqwenFile(path)
+        if verify:
+            f.verify()
         self.dims, self.context = f.dims, context
         self.ref = Reference(Fp32Weights.from_file(f), max_seq=context)
 
@@ -50,8 +52,9 @@ class ReferenceEngine:
                 logits = self.ref.decode(tok)
 
 
-def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None):
-    """An engine for the .nanoqwen file ``path`` with a KV cache of ``context`` tokens."""
+def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None, verify: bool = True):
+    """An engine for the .nanoqwen file ``path`` with a KV cache of ``context`` tokens; ``verify`` checks every
+    payload's checksum while loading (a corrupt file is an error naming the file and the tensor)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if backend not in BACKENDS:
         raise NanoqwenError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -60,8 +63,8 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
         if backend == "reference":
             log("no CUDA device found: running the numpy reference backend on the CPU (slow)")
     if backend == "reference":
-        return ReferenceEngine(path, context)
+        return ReferenceEngine(path, context, verify)
     if not cuda_available():
         raise NanoqwenError("--backend cuda: no CUDA device available (no driver, or no GPU visible)")
     from .runtime.session import CudaSession
-    return CudaSession(path, context, eager=eager, log=log)
+    return CudaSession(path, context, eager=eager, log=log, verify=verify)

@@ -27,31 +27,13 @@ class Quant:
     qmax: int
     zero_point: int
     scale_dtype: str
-    layout_id: int
-    layout_name: str
-    packed_layout: tuple[int, ...]
     int4_tensors: tuple[str, ...]
 
     def __post_init__(self):
-        if sorted(self.packed_layout) != list(range(8)):
-            raise ConfigError(f"quant.packed_layout must be a permutation of 0..7, got {list(self.packed_layout)}")
         if self.group_size <= 0 or self.group_size % 8:
             raise ConfigError(f"quant.group_size must be a positive multiple of 8, got {self.group_size}")
         if not self.symmetric or self.zero_point != 0 or self.qmax != 7 or self.scale_dtype != "fp16":
             raise ConfigError("quant: only symmetric INT4 (qmax 7, zero point 0, fp16 scales) is implemented")
-
-    @property
-    def bit_offsets(self) -> tuple[int, ...]:
-        """Bit offset of logical lane k inside its uint32 (ValueShuffle: 0,16,4,20,8,24,12,28)."""
-        return tuple(4 * self.packed_layout.index(k) for k in range(8))
-
-
-@dataclass(frozen=True)
-class File:
-    magic: str
-    version: int
-    header_bytes: int
-    alignment: int
 
 
 @dataclass(frozen=True)
@@ -138,7 +120,6 @@ class Validation:
 @dataclass(frozen=True)
 class Config:
     quant: Quant
-    file: File
     kv_cache: KVCache
     attention: Attention
     embed: Embed

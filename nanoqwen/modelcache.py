@@ -1,8 +1,8 @@
 """MODEL argument -> a .nanoqwen file plus the directory holding its tokenizer.
 
 A Hugging Face directory is packed on the fly into ``<cache>/models/<name>-<key16>/model.nanoqwen``; the
-key hashes the checkpoint's content (config.json and every file the weights come from) and the quant /
-file format settings, so an edited checkpoint or a new format repacks, and an unchanged one is reused.
+key hashes the checkpoint's content (config.json and every file the weights come from), the quant settings
+and the format version, so an edited checkpoint or a new format repacks, and an unchanged one is reused.
 The tokenizer and config files are copied beside the packed file, so a cache entry is self-contained.
 Hashing multi-GB shards takes seconds, so each file's digest is memoized under (path, size, mtime)."""
 
@@ -18,6 +18,8 @@ from pathlib import Path
 from . import NanoqwenError
 from .codegen.cache import cache_dir
 from .config import Config, default
+from .nqfile import VERSION as FORMAT_VERSION
+from .tokenizer import FILES as TOKENIZER_FILES
 from .progress import Progress
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -46,8 +48,9 @@ def content_key(hf_dir: Path, cfg: Config) -> str:
     except (OSError, ValueError):
         memo = {}
     memo = memo if isinstance(memo, dict) else {}  # a corrupt memo is a miss, never a crash
-    files = sorted(p for p in hf_dir.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".json")))
-    h = hashlib.sha256(json.dumps([asdict(cfg.quant), asdict(cfg.file)], sort_keys=True).encode())
+    files = sorted(p for p in hf_dir.iterdir()  # the weights and every file the packed file stores
+                   if p.is_file() and (p.suffix in (".safetensors", ".json") or p.name in TOKENIZER_FILES))
+    h = hashlib.sha256(json.dumps([asdict(cfg.quant), FORMAT_VERSION], sort_keys=True).encode())
     for p in files:
         h.update(f"{p.name}\0{_file_digest(p, memo)}\0".encode())
     memo_path.parent.mkdir(parents=True, exist_ok=True)

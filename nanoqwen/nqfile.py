@@ -2,14 +2,16 @@
 
 Layout (all integers little-endian):
   [0, 256)     header: struct ``_HEADER`` below, zero padded, CRC-32 of bytes [0, 252) in bytes [252, 256)
-  [256, ...)   tensor table: ``tensor_count`` entries, each
+  [256, ...)   table: ``entry_count`` entries, each
                  u16 name length, name (utf-8), u8 storage tag, u8 ndim, ndim x u64 shape,
                  u64 offset, u64 bytes, u32 CRC-32 of the payload; the table's own CRC-32 is in the header
-  data_offset  payloads, each starting on a ``file.alignment`` (128-byte, one L2 line) boundary
+  data_offset  payloads, each starting on an ``ALIGNMENT`` (128-byte, one L2 line) boundary
 
 An INT4 weight [N, K] is two entries: ``<name>`` (tag INT4, logical shape [N, K], payload uint32 [N, K/8]
 in ValueShuffle order) and ``<name>.scales`` (tag FP16, [N, K/group]). Everything else is FP16 raw.
 ``expected_tensors(dims)`` is the one list of names, tags and shapes; writer and reader both enforce it.
+Version 2 adds blobs: entries with tag BYTES (shape [nbytes]) holding named files beside the tensors, e.g. the
+tokenizer's (nanoqwen/tokenizer.py decides which). Version-1 files have none and still open.
 
 Checksum: zlib.crc32 (stdlib, ~2.8 GB/s here vs 0.7 GB/s for blake2b); it guards against truncation and
 bit rot, not tampering.
@@ -28,18 +30,28 @@ from pathlib import Path
 import numpy as np
 
 from . import NanoqwenError
+from .checksum import ParallelCRC
 from .config import Config, default
 from .dims import DimsError, ModelDims
+from .quant import LAYOUT_ID, LAYOUT_NAME
 
 
 class NqFileError(NanoqwenError):
     pass
 
 
-INT4, FP16, FP32 = 1, 2, 3
-TAG_NAMES = {INT4: "INT4", FP16: "FP16", FP32: "FP32"}
+# Facts of the format, not settings: a file written with other values would be unreadable.
+MAGIC = b"NANOQWEN"
+VERSION = 2                # what the writer writes: version 1 plus blobs
+READABLE_VERSIONS = (1, 2)
+HEADER_BYTES = 256
+ALIGNMENT = 128            # payload alignment: one L2 line
+
+INT4, FP16, FP32, BYTES = 1, 2, 3, 4
+TAG_NAMES = {INT4: "INT4", FP16: "FP16", FP32: "FP32", BYTES: "BYTES"}
 # numpy dtype of the payload and how many logical elements one payload element holds
-_PAYLOAD = {INT4: (np.dtype(np.uint32), 8), FP16: (np.dtype(np.float16), 1), FP32: (np.dtype(np.float32), 1)}
+_PAYLOAD = {INT4: (np.dtype(np.uint32), 8), FP16: (np.dtype(np.float16), 1), FP32: (np.dtype(np.float32), 1),
+            BYTES: (np.dtype(np.uint8), 1)}
 
 FLAG_SYNTHETIC = 1  # random weights (`nanoqwen pack --random`), not a real checkpoint
 _KNOWN_FLAGS = FLAG_SYNTHETIC
@@ -47,9 +59,9 @@ _KNOWN_FLAGS = FLAG_SYNTHETIC
 _DIM_INTS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "max_positions")
 _HEADER = struct.Struct("<8s4I8I2d2I4QI")
 _HEADER_FIELDS = ("magic", "version", "layout_id", "group_size", "flags", *_DIM_INTS, "rope_theta", "rms_eps",
-                  "tie_embeddings", "tensor_count", "table_offset", "table_bytes", "data_offset", "file_size",
+                  "tie_embeddings", "entry_count", "table_offset", "table_bytes", "data_offset", "file_size",
                   "table_crc")
-_CRC_AT = 252
+_CRC_AT = HEADER_BYTES - 4
 
 
 @dataclass(frozen=True)
@@ -129,10 +141,12 @@ def _encode_table(entries: list[TensorInfo]) -> bytes:
 
 class Writer:
     """Streaming writer: ``with Writer(path, dims) as w: w.add_int4(...); w.add_fp16(...)``. Tensors may come in
-    any order, each exactly once; the table is sized up front from ``expected_tensors(dims)``. Payloads go to a
-    temporary file beside ``path``; only a complete, fsynced file is renamed to ``path``."""
+    any order, each exactly once; ``blobs`` (name -> bytes) are written first. The table is sized up front from
+    ``expected_tensors(dims)`` and the blob names. Payloads go to a temporary file beside ``path``; only a
+    complete, fsynced file is renamed to ``path``."""
 
-    def __init__(self, path: str | Path, dims: ModelDims, synthetic: bool = False, cfg: Config | None = None):
+    def __init__(self, path: str | Path, dims: ModelDims, synthetic: bool = False, cfg: Config | None = None,
+                 blobs: dict[str, bytes] | None = None):
         self.path = Path(path)
         self.dims = dims
         self.cfg = cfg or default()
@@ -141,8 +155,13 @@ class Writer:
             self.expected = expected_tensors(dims, self.cfg)
         except DimsError as e:
             raise NqFileError(f"{self.path}: {e}") from None
-        self._table_bytes = sum(_entry_bytes(n, len(s)) for n, (_, s) in self.expected.items())
-        self._data_offset = _align(self.cfg.file.header_bytes + self._table_bytes, self.cfg.file.alignment)
+        self.blobs = dict(blobs or {})
+        for name in self.blobs:
+            if not name or name in self.expected:
+                raise NqFileError(f"{self.path}: blob {name!r}: a blob needs a name of its own")
+        self._table_bytes = sum(_entry_bytes(n, len(s)) for n, (_, s) in self.expected.items()) + \
+            sum(_entry_bytes(n, 1) for n in self.blobs)
+        self._data_offset = _align(HEADER_BYTES + self._table_bytes, ALIGNMENT)
         self._entries: dict[str, TensorInfo] = {}
         self._f = None
 
@@ -157,6 +176,8 @@ class Writer:
         self._tmp = Path(tmp)
         self._f = os.fdopen(fd, "wb")
         self._f.seek(self._data_offset)
+        for name, data in self.blobs.items():
+            self._write(name, BYTES, np.frombuffer(data, np.uint8), (len(data),))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -195,12 +216,12 @@ class Writer:
         if arr.dtype != dtype or arr.shape != want:
             raise NqFileError(f"{where}: expected {np.dtype(dtype)} {list(want)}, got {arr.dtype} {list(arr.shape)}")
 
-    def _write(self, name: str, tag: int, arr: np.ndarray) -> None:
-        shape = self.expected[name][1]
+    def _write(self, name: str, tag: int, arr: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
+        shape = shape or self.expected[name][1]
         view = memoryview(np.ascontiguousarray(arr)).cast("B")
         offset = self._f.tell()
         self._f.write(view)
-        self._f.write(b"\0" * (_align(offset + view.nbytes, self.cfg.file.alignment) - offset - view.nbytes))
+        self._f.write(b"\0" * (_align(offset + view.nbytes, ALIGNMENT) - offset - view.nbytes))
         self._entries[name] = TensorInfo(name, tag, shape, offset, view.nbytes, zlib.crc32(view))
 
     def _finish(self) -> None:
@@ -209,14 +230,14 @@ class Writer:
             raise NqFileError(f"{self.path}: {len(missing)} tensors never added, first {missing[0]}")
         file_size = self._f.tell()
         # file order = expected order, so the table is independent of the order tensors were added in
-        table = _encode_table([self._entries[n] for n in self.expected])
+        table = _encode_table([self._entries[n] for n in [*self.expected, *self.blobs]])
         assert len(table) == self._table_bytes
         d = self.dims
-        values = dict(magic=self.cfg.file.magic.encode(), version=self.cfg.file.version,
-                      layout_id=self.cfg.quant.layout_id, group_size=self.cfg.quant.group_size, flags=self.flags,
-                      **{k: getattr(d, k) for k in _DIM_INTS}, rope_theta=d.rope_theta, rms_eps=d.rms_eps,
-                      tie_embeddings=int(d.tie_embeddings), tensor_count=len(self.expected),
-                      table_offset=self.cfg.file.header_bytes, table_bytes=len(table),
+        values = dict(magic=MAGIC, version=VERSION, layout_id=LAYOUT_ID, group_size=self.cfg.quant.group_size,
+                      flags=self.flags, **{k: getattr(d, k) for k in _DIM_INTS}, rope_theta=d.rope_theta,
+                      rms_eps=d.rms_eps, tie_embeddings=int(d.tie_embeddings),
+                      entry_count=len(self.expected) + len(self.blobs), table_offset=HEADER_BYTES,
+                      table_bytes=len(table),
                       data_offset=self._data_offset, file_size=file_size, table_crc=zlib.crc32(table))
         header = _HEADER.pack(*(values[k] for k in _HEADER_FIELDS)).ljust(_CRC_AT, b"\0")
         header += struct.pack("<I", zlib.crc32(header))
@@ -235,7 +256,8 @@ class Writer:
 
 
 class NanoqwenFile:
-    """A validated, memory-mapped .nanoqwen file. Arrays returned are read-only zero-copy views of the map."""
+    """A validated, memory-mapped .nanoqwen file. Arrays returned are read-only zero-copy views of the map.
+    ``tensors``: the model's tensors (exactly ``expected_tensors(dims)``); ``blobs``: the named byte entries."""
 
     def __init__(self, path: str | Path, cfg: Config | None = None):
         self.path = Path(path)
@@ -248,29 +270,30 @@ class NanoqwenFile:
             raise NqFileError(f"{self.path}: cannot open: {e.strerror}") from None
         self.size = size
         self.header = self._read_header()
+        self.version = self.header["version"]
         self.synthetic = bool(self.header["flags"] & FLAG_SYNTHETIC)
-        self.tensors = self._read_table()
+        self.tensors, self.blobs = self._read_table()
 
     def _fail(self, field: str, msg: str):
         raise NqFileError(f"{self.path}: {field}: {msg}")
 
     def _read_header(self) -> dict:
-        fc = self.cfg.file
-        hb = fc.header_bytes
+        hb = HEADER_BYTES
         if self.size < hb:
             self._fail("header", f"file is {self.size} bytes, shorter than the {hb}-byte header")
         raw = bytes(self._mm[:hb])
         h = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(raw)))
-        if h["magic"] != fc.magic.encode():
-            self._fail("magic", f"{h['magic']!r} is not {fc.magic!r} (not a .nanoqwen file)")
-        if h["version"] != fc.version:
-            self._fail("version", f"format version {h['version']} is not supported (this build reads {fc.version})")
+        if h["magic"] != MAGIC:
+            self._fail("magic", f"{h['magic']!r} is not {MAGIC!r} (not a .nanoqwen file)")
+        if h["version"] not in READABLE_VERSIONS:
+            self._fail("version", f"format version {h['version']} is not supported (this build reads "
+                       f"{', '.join(map(str, READABLE_VERSIONS))})")
         (crc,) = struct.unpack_from("<I", raw, _CRC_AT)
         if crc != zlib.crc32(raw[:_CRC_AT]):
             self._fail("header checksum", f"stored {crc:#010x} != computed {zlib.crc32(raw[:_CRC_AT]):#010x} "
                        "(header corrupted)")
-        if h["layout_id"] != self.cfg.quant.layout_id:
-            self._fail("layout id", f"{h['layout_id']} is not {self.cfg.quant.layout_id} ({self.cfg.quant.layout_name})")
+        if h["layout_id"] != LAYOUT_ID:
+            self._fail("layout id", f"{h['layout_id']} is not {LAYOUT_ID} ({LAYOUT_NAME})")
         if h["group_size"] != self.cfg.quant.group_size:
             self._fail("group size", f"{h['group_size']} is not the configured {self.cfg.quant.group_size}")
         if h["flags"] & ~_KNOWN_FLAGS:
@@ -287,11 +310,11 @@ class NanoqwenFile:
         if h["table_offset"] != hb or h["data_offset"] < hb + h["table_bytes"] or h["data_offset"] > self.size:
             self._fail("table offset", f"table [{h['table_offset']}, +{h['table_bytes']}) and data offset "
                        f"{h['data_offset']} do not fit a {self.size}-byte file")
-        if h["data_offset"] % fc.alignment:
-            self._fail("data offset", f"{h['data_offset']} is not {fc.alignment}-byte aligned")
+        if h["data_offset"] % ALIGNMENT:
+            self._fail("data offset", f"{h['data_offset']} is not {ALIGNMENT}-byte aligned")
         return h
 
-    def _read_table(self) -> dict[str, TensorInfo]:
+    def _read_table(self) -> tuple[dict[str, TensorInfo], dict[str, TensorInfo]]:
         h = self.header
         table = bytes(self._mm[h["table_offset"]:h["table_offset"] + h["table_bytes"]])
         if zlib.crc32(table) != h["table_crc"]:
@@ -299,7 +322,7 @@ class NanoqwenFile:
         entries: dict[str, TensorInfo] = {}
         pos = 0
         try:
-            for _ in range(h["tensor_count"]):
+            for _ in range(h["entry_count"]):
                 (nlen,) = struct.unpack_from("<H", table, pos)
                 name = table[pos + 2:pos + 2 + nlen].decode()
                 pos += 2 + nlen
@@ -312,9 +335,15 @@ class NanoqwenFile:
         except (struct.error, UnicodeDecodeError) as e:
             self._fail("tensor table", f"malformed ({e})")
         if pos != len(table):
-            self._fail("tensor table", f"{len(table) - pos} unparsed bytes after {h['tensor_count']} entries")
+            self._fail("tensor table", f"{len(table) - pos} unparsed bytes after {h['entry_count']} entries")
+        blobs = {n: e for n, e in entries.items() if e.tag == BYTES}
+        for name, e in blobs.items():
+            if self.version < 2:
+                self._fail(f"blob {name}", f"format version {self.version} has no blobs")
+            if e.shape != (e.nbytes,):
+                self._fail(f"blob {name}", f"shape {list(e.shape)} is not [{e.nbytes}]")
         for name in entries:
-            if name not in self.expected:
+            if name not in self.expected and name not in blobs:
                 self._fail(f"tensor {name}", "not a tensor of a model with these dims")
         for name, (tag, shape) in self.expected.items():
             e = entries.get(name)
@@ -326,15 +355,17 @@ class NanoqwenFile:
                 self._fail(f"tensor {name}", f"shape {list(e.shape)} does not match the dims ({list(shape)})")
             if e.nbytes != payload_bytes(tag, shape):
                 self._fail(f"tensor {name}", f"{e.nbytes} bytes, expected {payload_bytes(tag, shape)}")
-            if e.offset % self.cfg.file.alignment:
-                self._fail(f"tensor {name}", f"offset {e.offset} is not {self.cfg.file.alignment}-byte aligned")
+        for e in entries.values():
+            what = f"{'blob' if e.tag == BYTES else 'tensor'} {e.name}"
+            if e.offset % ALIGNMENT:
+                self._fail(what, f"offset {e.offset} is not {ALIGNMENT}-byte aligned")
             if e.offset < h["data_offset"] or e.offset + e.nbytes > self.size:
-                self._fail(f"tensor {name}", f"payload [{e.offset}, +{e.nbytes}) is outside the data region")
+                self._fail(what, f"payload [{e.offset}, +{e.nbytes}) is outside the data region")
         ordered = sorted(entries.values(), key=lambda e: e.offset)
         for a, b in zip(ordered, ordered[1:]):
             if a.offset + a.nbytes > b.offset:
                 self._fail(f"tensor {b.name}", f"payload overlaps {a.name}")
-        return entries
+        return {n: entries[n] for n in self.expected}, blobs
 
     def _view(self, name: str, tag: int) -> np.ndarray:
         e = self.tensors.get(name)
@@ -355,23 +386,45 @@ class NanoqwenFile:
         e = self.tensors.get(name)
         return self._view(name, e.tag if e is not None and e.tag != INT4 else FP16)
 
-    def verify(self, progress=None) -> None:
-        """Check every payload's CRC-32; ``progress(nbytes)`` is called as bytes are checked."""
-        chunk = 64 << 20
-        mv = memoryview(self._mm)
-        for e in self.tensors.values():
-            crc = 0
-            for start in range(e.offset, e.offset + e.nbytes, chunk):
-                stop = min(start + chunk, e.offset + e.nbytes)
-                crc = zlib.crc32(mv[start:stop], crc)
-                # drop the checked pages from this process's RSS (they stay in the page cache): verifying a
-                # 5.5 GB file should not look like a 5.5 GB process
-                lo = start - start % mmap.PAGESIZE
-                self._mm.madvise(mmap.MADV_DONTNEED, lo, stop - lo)
+    def blob(self, name: str) -> bytes | None:
+        """The bytes of blob ``name`` (None when the file has none), checksum verified: blobs are small."""
+        e = self.blobs.get(name)
+        if e is None:
+            return None
+        data = bytes(self._mm[e.offset:e.offset + e.nbytes])
+        self._check_crc(e, zlib.crc32(data))
+        return data
+
+    def _check_crc(self, e: TensorInfo, crc: int) -> None:
+        if crc != e.crc:
+            self._fail(f"{'blob' if e.tag == BYTES else 'tensor'} {e.name}",
+                       f"payload checksum {crc:#010x} != stored {e.crc:#010x} (corrupted)")
+
+    def checker(self, order: list[str] | None = None, workers: int | None = None,
+                release_pages: bool = False) -> "PayloadChecker":
+        """Starts checksumming the payloads ``order`` names (default: every entry, in file order) on a thread
+        pool, in that order; ``check(name)`` waits for one."""
+        return PayloadChecker(self, order, workers, release_pages)
+
+    def verify(self, progress=None, workers: int | None = None) -> None:
+        """Check every payload's CRC-32; ``progress(nbytes)`` is called as payloads are checked. The checked
+        pages are dropped from this process's RSS (they stay in the page cache)."""
+        with self.checker(workers=workers, release_pages=True) as c:
+            for e in self.entries:
+                c.check(e.name)
                 if progress:
-                    progress(stop - start)
-            if crc != e.crc:
-                self._fail(f"tensor {e.name}", f"payload checksum {crc:#010x} != stored {e.crc:#010x} (corrupted)")
+                    progress(e.nbytes)
+
+    @property
+    def entries(self) -> list[TensorInfo]:
+        """Every table entry, tensors and blobs, in file order."""
+        return sorted([*self.tensors.values(), *self.blobs.values()], key=lambda e: e.offset)
+
+    def entry(self, name: str) -> TensorInfo:
+        e = self.tensors.get(name) or self.blobs.get(name)
+        if e is None:
+            raise NqFileError(f"{self.path}: {name}: no such entry")
+        return e
 
     def __enter__(self) -> "NanoqwenFile":
         return self
@@ -382,3 +435,28 @@ class NanoqwenFile:
     def close(self) -> None:
         """Drop the file's reference to the map; it is unmapped once no returned view is alive."""
         self._mm = None
+
+
+class PayloadChecker:
+    """CRC-32 of payloads of ``f``, computed ahead on a thread pool (checksum.ParallelCRC) so that a loader can
+    ``check(name)`` each tensor right before it uses it at almost no cost: the pool runs ahead of the consumer
+    when both go through the same ``order``. A mismatch is an NqFileError naming the file and the tensor."""
+
+    def __init__(self, f: NanoqwenFile, order: list[str] | None = None, workers: int | None = None,
+                 release_pages: bool = False):
+        self.file = f
+        self._crc = ParallelCRC(f._mm, workers, release=f._mm if release_pages else None)
+        for e in f.entries if order is None else map(f.entry, order):
+            self._crc.submit(e.name, e.offset, e.nbytes)
+
+    def check(self, name: str) -> None:
+        self.file._check_crc(self.file.entry(name), self._crc.result(name))
+
+    def close(self) -> None:
+        self._crc.close()
+
+    def __enter__(self) -> "PayloadChecker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

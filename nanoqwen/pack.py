@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import quant
+from . import quant, tokenizer
 from .config import Config, default
 from .dims import ModelDims
 from .hf import HFCheckpoint
@@ -125,18 +125,20 @@ def total_source_bytes(ckpt: HFCheckpoint, cfg: Config | None = None) -> int:
 
 def pack_hf(ckpt: HFCheckpoint, out: str | Path, progress: Progress | None = None, cfg: Config | None = None,
             workers: int | None = None) -> Path:
-    """Quantize ``ckpt`` into ``out``: INT4 for cfg.quant.int4_tensors, fp16 (range-checked) for the rest.
+    """Quantize ``ckpt`` into ``out``: INT4 for cfg.quant.int4_tensors, fp16 (range-checked) for the rest, and
+    the directory's tokenizer files as blobs, so the file runs with nothing beside it.
     ``progress(n)`` is called with checkpoint bytes consumed."""
     cfg = cfg or default()
     sources = weight_tensors(ckpt.dims, cfg)
     ckpt.check({n: s for n, (_, s) in sources.items()})
-    with _Pool(workers) as pool, Writer(out, ckpt.dims, cfg=cfg) as w, _WriteBehind() as wb:
+    blobs = tokenizer.files_to_store(ckpt.path, ckpt.dims)
+    with _Pool(workers) as pool, Writer(out, ckpt.dims, cfg=cfg, blobs=blobs) as w, _WriteBehind() as wb:
         for name, (tag, shape) in sources.items():
             row_bytes = _rows2d(shape)[1] * _source_itemsize(ckpt, name)
             if tag == INT4:
                 def rows(r0, r1, name=name):
                     q, s = quant.quantize(ckpt.read(name, r0, r1), name=f"{name}[{r0}:{r1}]", quant=cfg.quant)
-                    return quant.pack(q, cfg.quant), s, (r1 - r0) * row_bytes
+                    return quant.pack(q), s, (r1 - r0) * row_bytes
                 wb.submit(w.add_int4, name, *_int4_rows(shape, cfg, pool, progress, rows))
             else:
                 def rows(r0, r1, name=name):

@@ -19,6 +19,15 @@ from .config import Quant, default
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
+# The INT4 packing is a fact of the file format, not a setting: the GEMV kernels decode exactly this order,
+# and every .nanoqwen header records LAYOUT_ID. Logical lane k of 8 sits in nibble PACKED_LAYOUT.index(k):
+# a word's nibbles hold [w0,w2,w4,w6,w1,w3,w5,w7], so even lanes fill the low 16 bits and odd lanes the high
+# 16 (one LOP3 then yields a half2 pair).
+LAYOUT_ID = 1
+LAYOUT_NAME = "ValueShuffle"
+PACKED_LAYOUT = (0, 2, 4, 6, 1, 3, 5, 7)
+BIT_OFFSETS = tuple(4 * PACKED_LAYOUT.index(k) for k in range(8))  # bit offset of lane k: 0,16,4,20,8,24,12,28
+
 
 class QuantError(NanoqwenError):
     pass
@@ -57,27 +66,25 @@ def quantize(w: np.ndarray, group: int | None = None, name: str = "tensor",
     return q.astype(np.int8).reshape(n, k), scale16
 
 
-def pack(q: np.ndarray, quant: Quant | None = None) -> np.ndarray:
-    """q int8 [N, K] -> uint32 [N, K/8]: logical lane k of each 8 at bit offset ``quant.bit_offsets[k]``,
+def pack(q: np.ndarray) -> np.ndarray:
+    """q int8 [N, K] -> uint32 [N, K/8]: logical lane k of each 8 at bit offset ``BIT_OFFSETS[k]``,
     nibble = q & 0xF (two's complement)."""
-    quant = _quant(quant)
     if q.ndim != 2 or q.shape[1] % 8:
         raise QuantError(f"pack: shape {q.shape} is not [N, K] with K a multiple of 8")
     nib = (q.astype(np.uint8) & np.uint8(0xF)).reshape(q.shape[0], -1, 8)
     out = np.zeros(nib.shape[:2], dtype=np.uint32)
-    for lane, shift in enumerate(quant.bit_offsets):
+    for lane, shift in enumerate(BIT_OFFSETS):
         out |= nib[:, :, lane].astype(np.uint32) << np.uint32(shift)
     return out
 
 
-def unpack(packed: np.ndarray, quant: Quant | None = None) -> np.ndarray:
+def unpack(packed: np.ndarray) -> np.ndarray:
     """uint32 [N, K/8] -> int8 [N, K], every nibble sign-extended (0x8..0xF -> -8..-1)."""
-    quant = _quant(quant)
     if packed.ndim != 2 or packed.dtype != np.uint32:
         raise QuantError(f"unpack: expected uint32 [N, K/8], got {packed.dtype} {packed.shape}")
     n, w = packed.shape
     q = np.empty((n, w, 8), dtype=np.int8)
-    for lane, shift in enumerate(quant.bit_offsets):
+    for lane, shift in enumerate(BIT_OFFSETS):
         nib = ((packed >> np.uint32(shift)) & np.uint32(0xF)).astype(np.int8)
         q[:, :, lane] = (nib ^ 8) - 8
     return q.reshape(n, w * 8)
@@ -86,7 +93,7 @@ def unpack(packed: np.ndarray, quant: Quant | None = None) -> np.ndarray:
 def dequantize(packed: np.ndarray, scales: np.ndarray, quant: Quant | None = None) -> np.ndarray:
     """(uint32 [N, K/8], fp16 [N, K/group]) -> float32 [N, K], exactly q * f32(scale)."""
     quant = _quant(quant)
-    q = unpack(packed, quant)
+    q = unpack(packed)
     n, k = q.shape
     group = k // scales.shape[1] if scales.ndim == 2 and scales.shape[1] else 0
     if scales.shape != (n, k // quant.group_size) or group != quant.group_size:

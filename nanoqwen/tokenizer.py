@@ -1,7 +1,11 @@
-"""Tokenizer and chat template of a Hugging Face model directory, without transformers: tokenizer.json via
-the `tokenizers` library, the Jinja chat template of tokenizer_config.json rendered the way transformers
-renders it (sandboxed, trim_blocks + lstrip_blocks, its `tojson`/`raise_exception` helpers), eos ids from
-generation_config.json and tokenizer_config.json, and incremental detokenization for streaming."""
+"""Tokenizer and chat template of a model, without transformers: tokenizer.json via the `tokenizers` library,
+the Jinja chat template of tokenizer_config.json rendered the way transformers renders it (sandboxed,
+trim_blocks + lstrip_blocks, its `tojson`/`raise_exception` helpers), eos ids from generation_config.json and
+tokenizer_config.json, and incremental detokenization for streaming.
+
+The files come from a Hugging Face directory or from the blobs of a .nanoqwen file, which stores them as the
+directory had them (``FILES``; `nanoqwen pack` puts them there). ``load`` is how every command gets a
+model's tokenizer."""
 
 from __future__ import annotations
 
@@ -10,21 +14,36 @@ from datetime import datetime
 from pathlib import Path
 
 from . import NanoqwenError
+from .dims import ModelDims
+from .nqfile import NanoqwenFile
+
+# What a .nanoqwen file stores of a HF directory, as blobs under these names; tokenizer.json is required.
+# Recent transformers save the chat template in chat_template.jinja (which then wins, as in transformers)
+# rather than in tokenizer_config.json.
+FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 class TokenizerError(NanoqwenError):
     pass
 
 
-def _read_json(path: Path, required: bool = True) -> dict:
+def read_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The tokenizer FILES present in a HF directory, by name."""
+    d = Path(model_dir)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        if required:
-            raise TokenizerError(f"{path}: not found") from None
+        return {name: (d / name).read_bytes() for name in FILES if (d / name).is_file()}
+    except OSError as e:
+        raise TokenizerError(f"{e.filename}: cannot read: {e.strerror}") from None
+
+
+def _parse_json(files: dict[str, bytes], name: str, where: str) -> dict:
+    """An optional JSON file; absent means {}."""
+    if name not in files:
         return {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read: {e}") from None
+    try:
+        return json.loads(files[name].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{where}{name}: cannot read: {e}") from None
 
 
 def _token_text(tok) -> str | None:
@@ -52,20 +71,38 @@ def _compile_template(source: str):
 
 
 class Tokenizer:
+    """``Tokenizer(model_dir)`` reads a HF directory; ``Tokenizer.from_files`` takes the FILES' bytes."""
+
     def __init__(self, model_dir: str | Path):
+        d = Path(model_dir)
+        self._init(read_files(d), f"{d}/")
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], where: str) -> "Tokenizer":
+        """``where`` prefixes each file's name in error messages (a directory and "/", or "FILE: ")."""
+        tok = cls.__new__(cls)
+        tok._init(files, where)
+        return tok
+
+    def _init(self, files: dict[str, bytes], where: str) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        self.dir = Path(model_dir)
-        path = self.dir / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(f"{path}: not found")
+        self.where = where
+        if "tokenizer.json" not in files:
+            raise TokenizerError(f"{where}tokenizer.json: not found")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
         except Exception as e:  # the Rust side raises plain Exceptions for malformed files
-            raise TokenizerError(f"{path}: cannot load: {e}") from None
-        self.config = _read_json(self.dir / "tokenizer_config.json", required=False)
-        gen = _read_json(self.dir / "generation_config.json", required=False)
+            raise TokenizerError(f"{where}tokenizer.json: cannot load: {e}") from None
+        self.config = _parse_json(files, "tokenizer_config.json", where)
+        self.generation_config = _parse_json(files, "generation_config.json", where)
+        gen = self.generation_config
         template = self.config.get("chat_template")
+        if "chat_template.jinja" in files:
+            try:
+                template = files["chat_template.jinja"].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{where}chat_template.jinja: cannot read: {e}") from None
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
@@ -82,6 +119,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def added_special_tokens(self) -> dict[int, str]:
+        """id -> text of every added token marked special (<|im_end|>, <|fim_prefix|>, ...)."""
+        return {i: t.content for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -94,7 +136,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.chat_template is None:
-            raise TokenizerError(f"{self.dir / 'tokenizer_config.json'}: no chat_template")
+            raise TokenizerError(f"{self.where}tokenizer_config.json: no chat_template (and no chat_template.jinja)")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -105,6 +147,46 @@ class Tokenizer:
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
+
+
+def _check_vocab(tok: Tokenizer, dims: ModelDims) -> None:
+    if tok.vocab_size > dims.vocab:
+        raise TokenizerError(f"{tok.where}tokenizer.json: {tok.vocab_size} tokens, more than the model's "
+                             f"{dims.vocab} embedding rows")
+
+
+def files_to_store(model_dir: str | Path, dims: ModelDims) -> dict[str, bytes]:
+    """The tokenizer FILES `nanoqwen pack` stores for a HF directory ({} when it has no tokenizer.json), parsed
+    and checked against ``dims`` first, so that a broken tokenizer fails the pack rather than the first run."""
+    files = read_files(model_dir)
+    if "tokenizer.json" in files:
+        _check_vocab(Tokenizer.from_files(files, f"{model_dir}/"), dims)
+        return files
+    return {}
+
+
+def load(model: str | Path, override_dir: str | Path | None = None) -> Tokenizer:
+    """A model's tokenizer: the one way every command gets it. ``model`` is a .nanoqwen file (opened and
+    validated before anything else, so a bad file reports its own error) or a HF directory; ``override_dir``, a
+    HF directory, replaces the tokenizer the model brings (needed where a file stores none: format version 1,
+    random weights)."""
+    model = Path(model)
+    if model.is_dir():
+        return Tokenizer(override_dir or model)
+    f = NanoqwenFile(model)
+    tok = Tokenizer(override_dir) if override_dir is not None else stored(f)
+    _check_vocab(tok, f.dims)
+    return tok
+
+
+def stored(f: NanoqwenFile) -> Tokenizer:
+    """The tokenizer an open .nanoqwen file stores; the error says why there is none and what to do."""
+    files = {name: data for name in FILES if (data := f.blob(name)) is not None}
+    if "tokenizer.json" not in files:
+        why = (f"format version {f.version} stores none" if f.version < 2 else
+               "random weights" if f.synthetic else "packed from a directory without tokenizer.json")
+        raise TokenizerError(f"{f.path}: the file holds no tokenizer ({why}); pass --tokenizer DIR")
+    return Tokenizer.from_files(files, f"{f.path}: ")
 
 
 class StreamDecoder:

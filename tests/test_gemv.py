@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from nanoqwen import codegen, config
+from nanoqwen import codegen, config, quant
 from nanoqwen.codegen import resources
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError
@@ -165,15 +165,15 @@ def test_render_is_deterministic_and_names_the_spec():
     assert a == b and s.spec_repr in a and s.entry in a
 
 
-def test_lane_map_comes_from_config():
+def test_lane_map_comes_from_the_format():
     for role in gemv.ROLES:
-        assert gemv.role_spec(role, QWEN25_7B, CFG).lane_offsets == CFG.quant.bit_offsets
+        assert gemv.role_spec(role, QWEN25_7B, CFG).lane_offsets == quant.BIT_OFFSETS == gemv.VALUE_SHUFFLE
 
 
 def test_foreign_layout_refused():
-    gemv.check_layout(CFG.quant.layout_id, CFG)
+    gemv.check_layout(quant.LAYOUT_ID)
     with pytest.raises(gemv.LayoutError, match="layout id 2"):
-        gemv.check_layout(2, CFG)
+        gemv.check_layout(2)
 
 
 def test_weight_bytes():

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corrupt import flip_payload_bytes
 
+from nanoqwen import checksum
 from nanoqwen.config import default
 from nanoqwen.dims import ModelDims
-from nanoqwen.nqfile import (FP16, INT4, NanoqwenFile, NqFileError, TensorInfo, Writer, _CRC_AT, _HEADER,
-                             _HEADER_FIELDS, _encode_table, expected_tensors, weight_tensors)
-from nanoqwen.quant import pack, quantize
+from nanoqwen.nqfile import (ALIGNMENT, FP16, HEADER_BYTES, INT4, NanoqwenFile, NqFileError, TensorInfo, Writer,
+                             VERSION, _CRC_AT, _HEADER, _HEADER_FIELDS, _encode_table, expected_tensors,
+                             weight_tensors)
+from nanoqwen.quant import LAYOUT_ID, pack, quantize
 
 CFG = default()
 DIMS = ModelDims(hidden=128, layers=1, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=96,
@@ -32,9 +35,9 @@ def _tensors(dims: ModelDims, seed: int = 0):
     return out
 
 
-def _write(path: Path, dims=DIMS, synthetic=False, order=None, seed=0):
+def _write(path: Path, dims=DIMS, synthetic=False, order=None, seed=0, blobs=None):
     t = _tensors(dims, seed)
-    with Writer(path, dims, synthetic=synthetic) as w:
+    with Writer(path, dims, synthetic=synthetic, blobs=blobs) as w:
         for name in order or t:
             v = t[name]
             w.add_int4(name, *v) if isinstance(v, tuple) else w.add_fp16(name, v)
@@ -72,7 +75,7 @@ def _rewrite_table(path: Path, edit) -> None:
     data = bytearray(path.read_bytes())
     data[h["table_offset"]:h["table_offset"] + len(table)] = table
     path.write_bytes(bytes(data))
-    _rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), tensor_count=len(entries))
+    _rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), entry_count=len(entries))
 
 
 def _fails(path: Path, pattern: str, verify=False):
@@ -93,7 +96,7 @@ def test_round_trip(tmp_path):
     f = NanoqwenFile(path)
     f.verify()
     assert f.dims == DIMS and f.synthetic
-    assert f.header["layout_id"] == CFG.quant.layout_id and f.header["group_size"] == CFG.quant.group_size
+    assert f.header["layout_id"] == LAYOUT_ID and f.header["group_size"] == CFG.quant.group_size
     assert list(f.tensors) == list(expected_tensors(DIMS))
     for name, v in t.items():
         if isinstance(v, tuple):
@@ -104,8 +107,71 @@ def test_round_trip(tmp_path):
         else:
             np.testing.assert_array_equal(f.array(name), v)
     for e in f.tensors.values():
-        assert e.offset % CFG.file.alignment == 0
-    assert f.header["data_offset"] % CFG.file.alignment == 0 and f.size == path.stat().st_size
+        assert e.offset % ALIGNMENT == 0
+    assert f.header["data_offset"] % ALIGNMENT == 0 and f.size == path.stat().st_size
+
+
+BLOBS = {"tokenizer.json": b'{"model": {}}' * 50, "empty": b"", "notes.txt": bytes(range(256)) * 3}
+
+
+def test_blobs_round_trip(tmp_path):
+    path = tmp_path / "m.nanoqwen"
+    _write(path, blobs=BLOBS)
+    f = NanoqwenFile(path)
+    f.verify()
+    assert f.version == VERSION == 2 and list(f.blobs) == list(BLOBS)
+    assert all(f.blob(n) == data for n, data in BLOBS.items()) and f.blob("missing") is None
+    assert list(f.tensors) == list(expected_tensors(DIMS))  # blobs stay out of the tensor view
+    assert all(e.offset % ALIGNMENT == 0 and e.tag_name == "BYTES" for e in f.blobs.values())
+
+
+def test_corrupt_blob_is_named(tmp_path):
+    path = tmp_path / "m.nanoqwen"
+    _write(path, blobs=BLOBS)
+    e = NanoqwenFile(path).blobs["notes.txt"]
+    data = bytearray(path.read_bytes())
+    data[e.offset + 100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(NqFileError, match=r"m\.nanoqwen: blob notes\.txt: payload checksum"):
+        NanoqwenFile(path).blob("notes.txt")
+    _fails(path, r": blob notes\.txt: payload checksum", verify=True)
+
+
+def test_version_1_file_still_opens(good):
+    _rewrite_header(good, version=1)
+    f = NanoqwenFile(good)
+    f.verify()
+    assert f.version == 1 and f.blobs == {}
+
+
+def test_version_1_file_with_blobs_refused(tmp_path):
+    path = tmp_path / "m.nanoqwen"
+    _write(path, blobs=BLOBS)
+    _rewrite_header(path, version=1)
+    _fails(path, r": blob tokenizer\.json: format version 1 has no blobs")
+
+
+def test_blob_names_checked(tmp_path):
+    for name in ("", "model.norm.weight"):
+        with pytest.raises(NqFileError, match="a blob needs a name of its own"):
+            Writer(tmp_path / "m.nanoqwen", DIMS, blobs={name: b"x"})
+
+
+def test_parallel_check_finds_flips_in_any_chunk(good, monkeypatch):
+    """Payloads cut into many chunks across the pool: a flip in a middle chunk of one tensor is found, named,
+    and the tensors checked before it pass."""
+    monkeypatch.setattr(checksum, "CHUNK", 1000)
+    target = "model.layers.0.mlp.up_proj.weight"
+    assert NanoqwenFile(good).tensors[target].nbytes > 5 * 1000
+    flip_payload_bytes(good, target, start=2500)  # in the third chunk
+    f = NanoqwenFile(good)
+    with f.checker(workers=3) as c:
+        for name in f.tensors:
+            if name == target:
+                break
+            c.check(name)
+        with pytest.raises(NqFileError, match=rf"{re.escape(str(good))}: tensor {re.escape(target)}: payload checksum"):
+            c.check(target)
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path):
@@ -166,7 +232,7 @@ def test_trailing_bytes(good):
 
 def test_bad_table_checksum(good):
     data = bytearray(good.read_bytes())
-    data[CFG.file.header_bytes + 5] ^= 1
+    data[HEADER_BYTES + 5] ^= 1
     good.write_bytes(bytes(data))
     _fails(good, r": table checksum: ")
 

@@ -54,6 +54,25 @@ def test_cli_pack_and_inspect(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layout 1 (ValueShuffle)" in text and "real weights" in text and "checksums OK" in text
     assert "model.layers.1.mlp.down_proj.weight.scales" in text and "INT4 scales" in text
+    assert "tokenizer unavailable: " in text and "packed from a directory without tokenizer.json" in text
+
+
+def test_inspect_shows_the_stored_tokenizer(tmp_path, capsys):
+    from nanoqwen import testmodels
+    from nanoqwen.tokenizer import Tokenizer
+    out = tmp_path / "m.nanoqwen"
+    assert main(["pack", str(testmodels.SMALL_PY_DIR), "-o", str(out)]) == 0
+    assert main(["inspect", str(out), "--verify"]) == 0
+    text = capsys.readouterr().out
+    gen = json.loads((testmodels.SMALL_PY_DIR / "generation_config.json").read_text())
+    tok = Tokenizer(testmodels.SMALL_PY_DIR)
+    assert f"tokenizer {tok.vocab_size:,} tokens; stored as tokenizer.json (" in text
+    assert f"eos ids {list(tok.eos_ids)}" in text
+    assert ("chat template yes" in text) == (tok.chat_template is not None)
+    assert all(f"{k}={v}" in text for k, v in tok.special_tokens.items() if v is not None)
+    assert tok.added_special_tokens and all(t in text for t in tok.added_special_tokens.values())
+    assert f"generation config {json.dumps(gen)}" in text
+    assert "BYTES" in text and "checksums OK" in text
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -105,7 +105,7 @@ def test_sampling_reproducible_with_seed(capsys):
 
 
 def test_nanoqwen_file_model(capsys, packed):
-    """MODEL may be the packed file itself; its tokenizer is found beside it (the cache entry)."""
+    """MODEL may be the packed file itself, which brings its own tokenizer."""
     path, _ = packed
     rc = main(["run", str(path), "--prompt", PROMPT, "--max-new-tokens", "4"])
     out, err = capsys.readouterr()

@@ -1,14 +1,22 @@
 """nanoqwen.tokenizer against transformers' AutoTokenizer on the committed small-py model directory:
-encode/decode, the ChatML template (Qwen2.5's, with tools), eos ids, streaming detokenization."""
+encode/decode, the ChatML template (Qwen2.5's, with tools), eos ids, streaming detokenization; and the
+tokenizer a .nanoqwen file stores (packed from that directory at test time): identical to the directory's,
+`load` validates the file first and says what to do when a file stores none."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+from _corrupt import set_version
 
 from nanoqwen import testmodels
-from nanoqwen.tokenizer import Tokenizer, TokenizerError
+from nanoqwen.dims import ModelDims
+from nanoqwen.hf import HFCheckpoint
+from nanoqwen.nqfile import NanoqwenFile, NqFileError
+from nanoqwen.pack import pack_hf, pack_random
+from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
 
 DIR = testmodels.SMALL_PY_DIR
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café — 中文字符 and emoji 😀👍🏽 ∑ ≠ €",
@@ -99,3 +107,106 @@ def test_missing_files_are_clear_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="tokenizer.json: cannot load"):
         Tokenizer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed") / "m.nanoqwen"
+    pack_hf(HFCheckpoint(DIR), out, workers=1)
+    return out
+
+
+def _random_file(path, vocab: int, version: int = 2):
+    """A synthetic model (no tokenizer stored), optionally relabelled as format version 1."""
+    dims = ModelDims(hidden=128, layers=1, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=vocab,
+                     max_positions=512, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False)
+    pack_random(dims, path, workers=1)
+    if version != 2:
+        set_version(path, version)
+    return path
+
+
+def test_file_stores_the_directory_files_verbatim(packed):
+    f = NanoqwenFile(packed)
+    stored = {n: data for n in FILES if (data := f.blob(n)) is not None}
+    assert "tokenizer.json" in stored and stored == {n: (DIR / n).read_bytes() for n in FILES if (DIR / n).exists()}
+
+
+def test_stored_tokenizer_equals_the_directory_one(tok, packed):
+    stored = load(packed)
+    assert (stored.vocab_size, stored.eos_ids, stored.special_tokens, stored.chat_template) == \
+        (tok.vocab_size, tok.eos_ids, tok.special_tokens, tok.chat_template)
+    assert stored.added_special_tokens == tok.added_special_tokens and stored.added_special_tokens
+    assert stored.generation_config == json.loads((DIR / "generation_config.json").read_text())
+    for text in TEXTS:
+        assert stored.encode(text) == tok.encode(text)
+    for chat in CHATS:
+        assert stored.encode_chat(chat) == tok.encode_chat(chat)
+
+
+def test_load_of_a_directory_and_override(tok, packed):
+    assert load(DIR).encode(TEXTS[0]) == tok.encode(TEXTS[0])
+    assert load(packed, override_dir=DIR).eos_ids == tok.eos_ids
+
+
+def test_version_1_file_asks_for_tokenizer(tmp_path, tok):
+    path = _random_file(tmp_path / "v1.nanoqwen", vocab=tok.vocab_size, version=1)
+    with pytest.raises(TokenizerError) as ei:
+        load(path)
+    msg = str(ei.value)
+    assert msg == f"{path}: the file holds no tokenizer (format version 1 stores none); pass --tokenizer DIR"
+    assert load(path, override_dir=DIR).encode(TEXTS[0]) == tok.encode(TEXTS[0])
+
+
+def test_random_weights_file_asks_for_tokenizer(tmp_path, tok):
+    path = _random_file(tmp_path / "r.nanoqwen", vocab=tok.vocab_size)
+    with pytest.raises(TokenizerError, match=r"holds no tokenizer \(random weights\); pass --tokenizer DIR"):
+        load(path)
+
+
+@pytest.mark.parametrize("content, field", [(b"", "header: file is 0 bytes"),
+                                             (bytes(range(256)) * 40, "magic: ")])
+def test_bad_file_reports_its_own_error_first(tmp_path, content, field):
+    path = tmp_path / "bad.nanoqwen"
+    path.write_bytes(content)
+    for override in (None, DIR):
+        with pytest.raises(NqFileError, match=f"^{path}: {field}"):
+            load(path, override_dir=override)
+
+
+def test_tokenizer_larger_than_the_model_vocab(tmp_path, tok):
+    path = _random_file(tmp_path / "small-vocab.nanoqwen", vocab=tok.vocab_size - 1)
+    with pytest.raises(TokenizerError, match=rf"tokenizer\.json: {tok.vocab_size} tokens, more than the model's "
+                                             rf"{tok.vocab_size - 1} embedding rows"):
+        load(path, override_dir=DIR)
+
+
+def test_pack_checks_the_tokenizer_it_stores(tmp_path, tok):
+    from _hf_dirs import TINY, write_hf_dir
+    hf = tmp_path / "hf"
+    write_hf_dir(hf)
+    shutil.copy(DIR / "tokenizer.json", hf)
+    assert tok.vocab_size > TINY.vocab
+    with pytest.raises(TokenizerError, match=rf"hf/tokenizer\.json: {tok.vocab_size} tokens, more than the model's "
+                                             rf"{TINY.vocab}"):
+        pack_hf(HFCheckpoint(hf), tmp_path / "m.nanoqwen")
+    (hf / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match=r"hf/tokenizer\.json: cannot load"):
+        pack_hf(HFCheckpoint(hf), tmp_path / "m.nanoqwen")
+    assert not (tmp_path / "m.nanoqwen").exists()
+
+
+def test_chat_template_jinja_file_is_read_and_stored(tmp_path, tok):
+    """transformers >= 4.43 may save the template as chat_template.jinja beside a tokenizer_config.json without
+    one: the directory and the packed file both use it."""
+    hf = tmp_path / "hf"
+    shutil.copytree(DIR, hf)
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.nanoqwen"
+    pack_hf(HFCheckpoint(hf), out, workers=1)
+    for t in (Tokenizer(hf), load(out)):
+        assert t.chat_template == tok.chat_template
+        assert t.encode_chat(CHATS[1]) == tok.encode_chat(CHATS[1])
+    assert NanoqwenFile(out).blob("chat_template.jinja") == (hf / "chat_template.jinja").read_bytes()

@@ -13,6 +13,7 @@
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
 #                      the GPU machine lacks: install the wheels of .whl/ first (see the device README)
+#   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,5 +63,6 @@ fi
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
+[ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
 grep -a -E "^== " "$LOG"
 exit $status

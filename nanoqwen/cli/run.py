@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-from .. import NanoqwenError
 from ..backends import BACKENDS, open_engine
 
 
@@ -28,7 +27,9 @@ def add_arguments(p) -> None:
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache size in tokens (default: exactly prompt + max-new-tokens)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="directory with tokenizer.json (default: beside MODEL)")
+                   help="HF directory whose tokenizer replaces the model's (default: the one MODEL stores)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the payload checksums while loading")
 
 
 def _log(msg: str) -> None:
@@ -36,17 +37,15 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
+    from .. import tokenizer
     from ..modelcache import resolve
     from ..nqfile import NanoqwenFile
     from ..runtime.generate import check_request, generate
     from ..runtime.sampler import Sampling
-    from ..tokenizer import Tokenizer
 
     sampling = Sampling(args.temperature, args.top_p, args.seed)
-    path, tok_dir = resolve(args.model, args.tokenizer, log=_log)
-    if tok_dir is None:
-        raise NanoqwenError(f"{path}: no tokenizer.json beside the model; pass --tokenizer DIR")
-    tok = Tokenizer(tok_dir)
+    path = resolve(args.model, log=_log)[0]
+    tok = tokenizer.load(path, args.tokenizer)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.chat}]
@@ -55,7 +54,7 @@ def run(args) -> int:
         prompt_ids = tok.encode(args.prompt)
     context = args.context or len(prompt_ids) + args.max_new_tokens
     check_request(NanoqwenFile(path).dims, prompt_ids, args.max_new_tokens, context)  # fail before loading
-    engine = open_engine(args.backend, path, context, eager=args.eager, log=_log)
+    engine = open_engine(args.backend, path, context, eager=args.eager, log=_log, verify=not args.no_verify)
     out = sys.stdout
     if args.prompt is not None:
         out.write(args.prompt)

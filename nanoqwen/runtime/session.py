@@ -42,7 +42,7 @@ def scratch_bytes(dims, capacity: int) -> int:
 
 class CudaSession:
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
-                 cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked"):
+                 cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked", verify: bool = True):
         cfg = cfg or config.default()
         if prefill not in PREFILL_MODES:
             raise NanoqwenError(f"prefill mode must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
@@ -71,7 +71,7 @@ class CudaSession:
         kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
         t2 = time.perf_counter()
         bar = Progress(w_bytes, "upload")
-        self.weights = Weights(f, progress=bar)
+        self.weights = Weights(f, progress=bar, verify=verify)
         bar.close()
         self.kv = PagedKVCache(layout)
         self.prefiller = Prefiller(d, kernels, chunk, self.context) if chunked else None

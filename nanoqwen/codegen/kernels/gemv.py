@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ... import config
+from ... import config, quant
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
@@ -28,12 +28,11 @@ class LayoutError(SpecError):
     pass
 
 
-def check_layout(file_layout_id: int, cfg: config.Config | None = None) -> None:
+def check_layout(file_layout_id: int) -> None:
     """Refuse weights packed in another layout than the one this GEMV family decodes."""
-    cfg = cfg or config.default()
-    if file_layout_id != cfg.quant.layout_id or cfg.quant.bit_offsets != VALUE_SHUFFLE:
+    if file_layout_id != quant.LAYOUT_ID:
         raise LayoutError(f"INT4 layout id {file_layout_id} is not supported by the GEMV kernels "
-                          f"(they decode layout {cfg.quant.layout_id} = {cfg.quant.layout_name}, "
+                          f"(they decode layout {quant.LAYOUT_ID} = {quant.LAYOUT_NAME}, "
                           f"lane bit offsets {list(VALUE_SHUFFLE)})")
 
 
@@ -50,7 +49,7 @@ class GemvInt4Spec(KernelSpec):
     out_f16: bool = False          # fp16 saturated output (required for swiglu, refused for residual)
     eps: float = 1e-6              # RMSNorm epsilon (used only with norm)
     group: int = 128               # weights per scale along K
-    lane_offsets: tuple[int, ...] = VALUE_SHUFFLE   # from config quant.bit_offsets
+    lane_offsets: tuple[int, ...] = VALUE_SHUFFLE   # the format's quant.BIT_OFFSETS
     rows: int = 2                  # rows per lane group (a warp tile is rows * 32 / lanes rows)
     lanes: int = 32                # lanes sharing one row: 32, 16 or 8 (16 fits K = 3584's 112 chunks)
     warps: int = 4                 # warps per CTA
@@ -205,7 +204,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **ov
     while splitk > 1 and k % (32 * splitk):
         splitk -= 1
     params = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size,
-                  lane_offsets=cfg.quant.bit_offsets, rows=_fit(tile.rows, n * tile.lanes // 32),
+                  lane_offsets=quant.BIT_OFFSETS, rows=_fit(tile.rows, n * tile.lanes // 32),
                   lanes=tile.lanes, warps=tile.warps,
                   tiles_per_warp=tile.tiles_per_warp, unroll=tile.unroll, splitk=splitk,
                   **_ROLE_VARIANT[role])
@@ -227,7 +226,7 @@ def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
     shape: what the tests compile and check."""
     specs = specs_for_model(dims, cfg)
     n, k = role_shape("o_proj", dims)
-    base = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size, lane_offsets=cfg.quant.bit_offsets)
+    base = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size, lane_offsets=quant.BIT_OFFSETS)
     specs += [
         GemvInt4Spec(**base),                                       # plain fp32
         GemvInt4Spec(**base, out_f16=True),                         # plain fp16

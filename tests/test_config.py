@@ -1,0 +1,37 @@
+"""The strict config loader: the repository's config loads; an unknown key (such as the file-format facts
+that are now constants of nanoqwen/nqfile.py and nanoqwen/quant.py) or a missing key is an error naming it."""
+
+import pytest
+import yaml
+
+from nanoqwen.config import DEFAULT_PATH, ConfigError, load
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_repository_config_loads():
+    cfg = load(DEFAULT_PATH)
+    assert cfg.quant.group_size == 128 and not hasattr(cfg, "file")
+
+
+@pytest.mark.parametrize("section, key, value", [
+    (None, "file", {"magic": "NANOQWEN", "version": 1, "header_bytes": 256, "alignment": 128}),
+    ("quant", "packed_layout", [0, 2, 4, 6, 1, 3, 5, 7]),
+    ("quant", "layout_id", 1),
+])
+def test_format_facts_are_not_config_keys(tmp_path, section, key, value):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    (data[section] if section else data)[key] = value
+    with pytest.raises(ConfigError, match=rf"^unknown config key '{section + '.' if section else ''}{key}'$"):
+        load(_write(tmp_path, data))
+
+
+def test_missing_key_is_named(tmp_path):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    del data["quant"]["group_size"]
+    with pytest.raises(ConfigError, match=r"^missing config key 'quant\.group_size'$"):
+        load(_write(tmp_path, data))
