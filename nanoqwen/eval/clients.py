@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import NanoqwenError
 from .humaneval import INSTALL_HINT
@@ -25,14 +24,6 @@ class Completion:
     text: str                 # as the source returned it (before truncation / extraction)
     tokens: int | None        # generated tokens (None: the server did not say)
     seconds: float            # request in -> last token out
-
-
-def _tokenizer(path: Path, tok_dir: Path | None):
-    """The one place the eval takes its tokenizer from (a packed file may carry its own one day)."""
-    from ..tokenizer import Tokenizer
-    if tok_dir is None:
-        raise NanoqwenError(f"{path}: no tokenizer.json beside the model; pass --tokenizer DIR")
-    return Tokenizer(tok_dir)
 
 
 class _StopWatch:
@@ -68,8 +59,9 @@ class EngineSource:
         from ..nqfile import NanoqwenFile
         from ..runtime.generate import check_request
 
-        path, tok_dir = resolve(model, tokenizer, log=log)
-        self.tok = _tokenizer(path, tok_dir)
+        from .. import tokenizer as tokenizers
+        path = resolve(model, log=log)[0]
+        self.tok = tokenizers.load(path, tokenizer)
         longest = max((self._encode(r) for r in requests), key=len)
         context = len(longest) + max_tokens
         check_request(NanoqwenFile(path).dims, longest, max_tokens, context)  # fail before loading

@@ -12,12 +12,10 @@ DEFAULT_CONTEXT = 8192   # tokens of KV cache when --context is not given (or th
 
 def tokenizer_for(model: str, tokenizer_dir: str | None, log):
     """(.nanoqwen path, Tokenizer): MODEL is a .nanoqwen file or a HF directory (packed on first use)."""
+    from .. import tokenizer
     from ..modelcache import resolve
-    from ..tokenizer import Tokenizer
-    path, tok_dir = resolve(model, tokenizer_dir, log=log)
-    if tok_dir is None:
-        raise NanoqwenError(f"{path}: no tokenizer.json beside the model; pass --tokenizer DIR")
-    return path, Tokenizer(tok_dir)
+    path = resolve(model, log=log)[0]
+    return path, tokenizer.load(path, tokenizer_dir)
 
 
 def load(model: str, tokenizer_dir: str | None, backend: str, context: int | None, eager: bool, log):
