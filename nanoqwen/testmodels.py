@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ROOT
+from . import paths
 from .dims import ModelDims
 
-SMALL_PY_DIR = ROOT / "tests" / "data" / "small-py"
+SMALL_PY_DIR = paths.PACKAGE_DIR.parent / "tests" / "data" / "small-py"  # in a source checkout only
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
