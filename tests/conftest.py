@@ -4,12 +4,27 @@ CUDA device and are skipped cleanly without one; everything else runs on the CPU
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
 
-settings.register_profile("nanoqwen", deadline=None, max_examples=60)
+# No example database: it would be written into the checkout (tests write only to temporary directories).
+settings.register_profile("nanoqwen", deadline=None, max_examples=60, database=None)
 settings.load_profile("nanoqwen")
+
+
+def pytest_configure(config):
+    """The whole run uses a cache root of its own (kernels, packed models, tuned results), set before any
+    test module is imported: the suite never writes into the user's ~/.cache/nanoqwen."""
+    config._nanoqwen_cache = tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
+    os.environ["NANOQWEN_CACHE_DIR"] = config._nanoqwen_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config._nanoqwen_cache, ignore_errors=True)
 
 
 @functools.cache
@@ -31,7 +46,7 @@ def gpu_available() -> bool:
 @pytest.fixture(scope="session")
 def fresh_build(tmp_path_factory):
     """`build_many(specs, **kw)` into a fresh kernel cache, JIT enabled: CI really compiles every kernel it
-    checks (a warm ~/.cache/nanoqwen would hide a template that no longer compiles)."""
+    checks (a warm cache would hide a template that no longer compiles)."""
     from nanoqwen import codegen
 
     def build(specs, **kw):

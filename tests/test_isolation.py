@@ -1,0 +1,49 @@
+"""The test suite writes only to temporary directories: conftest gives the whole run a cache root of its
+own before any test module is imported, and removes it afterwards."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nanoqwen import paths
+
+TESTS = Path(__file__).resolve().parent
+
+INNER = '''
+from nanoqwen import codegen, paths
+from nanoqwen.codegen.kernels.copy import CopySpec
+
+def test_build_writes_the_cache():
+    built = codegen.build(CopySpec())
+    assert built.path.is_file() and built.path.is_relative_to(paths.cache_root())
+    print(f"CACHE_ROOT={paths.cache_root()}")
+'''
+
+
+def test_this_run_uses_a_temporary_cache_root():
+    root = paths.cache_root()
+    assert root.is_relative_to(Path(tempfile.gettempdir())) and root.is_dir()
+    assert root != Path("~/.cache/nanoqwen").expanduser()
+
+
+def test_a_session_building_kernels_leaves_home_untouched(tmp_path):
+    """A pytest session with this conftest, run with no NANOQWEN_CACHE_DIR and a fresh HOME, compiles a
+    kernel: nothing appears under HOME, and the session's cache root is gone when it ends."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "test_inner.py").write_text(INNER)
+    env = {k: v for k, v in os.environ.items() if k not in ("NANOQWEN_CACHE_DIR", "NANOQWEN_DISABLE_JIT")}
+    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest",
+                          "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    inner_root = Path(re.search(r"CACHE_ROOT=(\S+)", res.stdout)[1])
+    assert inner_root.name.startswith("nanoqwen-test-cache-") and inner_root.parent == Path(tempfile.gettempdir())
+    assert not inner_root.exists()
+    assert list(home.iterdir()) == []
