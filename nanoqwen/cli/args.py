@@ -13,7 +13,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+        quiet = action.default is None or action.default is False or action.default in ([], argparse.SUPPRESS)
+        if quiet or "default" in text:
             return text
         return f"{text} (default: {action.default})"
 

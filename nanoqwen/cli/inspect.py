@@ -7,6 +7,7 @@ from collections import Counter
 
 from ..nqfile import NanoqwenFile, weight_tensors
 from ..progress import Progress
+from ..units import size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     f = NanoqwenFile(args.file)  # validates everything but payload checksums
     h = f.header
-    print(f"file      {f.path} ({f.size:,} bytes)")
+    print(f"file      {f.path} ({size(f.size)}, {f.size:,} bytes)")
     print(f"format    version {h['version']}, layout {h['layout_id']} ({f.cfg.quant.layout_name}), "
           f"group {h['group_size']}, {'SYNTHETIC (random weights)' if f.synthetic else 'real weights'}")
     print(f"table     {h['tensor_count']} tensors at {h['table_offset']} ({h['table_bytes']} bytes), "
@@ -37,7 +38,7 @@ def run(args) -> int:
         nbytes[kind] += e.nbytes
     print("\ntotals")
     for kind in sorted(count):
-        print(f"  {kind:<12} {count[kind]:>5} tensors {nbytes[kind] / 1e9:>9.3f} GB")
+        print(f"  {kind:<12} {count[kind]:>5} tensors {size(nbytes[kind]):>10}")
     if args.verify:
         bar = Progress(sum(e.nbytes for e in f.tensors.values()), "verify")
         f.verify(progress=bar)
