@@ -4,27 +4,36 @@ CUDA device and are skipped cleanly without one; everything else runs on the CPU
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import tempfile
 
 import pytest
-from hypothesis import settings
 
-# No example database: it would be written into the checkout (tests write only to temporary directories).
-settings.register_profile("nanoqwen", deadline=None, max_examples=60, database=None)
-settings.load_profile("nanoqwen")
+# What test modules import at their top beyond the runtime (the GPU machine has these and no registry);
+# tests of the serve and eval extras check for their own modules.
+NEEDED = ("hypothesis", "torch", "transformers")
 
 
 def pytest_configure(config):
-    """The whole run uses a cache root of its own (kernels, packed models, tuned results), set before any
-    test module is imported: the suite never writes into the user's ~/.cache/nanoqwen."""
+    """The test extra must be installed (one line if not). The whole run uses a cache root of its own
+    (kernels, packed models, tuned results), set before any test module is imported: the suite never
+    writes into the user's ~/.cache/nanoqwen."""
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        raise pytest.UsageError(f"the tests need {', '.join(missing)}: pip install -e '.[test]' in the checkout")
+    from hypothesis import settings
+    # No example database: it would be written into the checkout (tests write only to temporary directories).
+    settings.register_profile("nanoqwen", deadline=None, max_examples=60, database=None)
+    settings.load_profile("nanoqwen")
     config._nanoqwen_cache = tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
     os.environ["NANOQWEN_CACHE_DIR"] = config._nanoqwen_cache
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(config._nanoqwen_cache, ignore_errors=True)
+    if hasattr(config, "_nanoqwen_cache"):
+        shutil.rmtree(config._nanoqwen_cache, ignore_errors=True)
 
 
 @functools.cache

@@ -71,3 +71,14 @@ def test_bad_paths_are_one_line(argv, message, tmp_path, capsys):
 def test_gen_cubin_onto_a_directory_is_one_line(tmp_path, capsys):
     assert gen.main(["emit", "copy", "--cubin", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"error: {tmp_path}: Is a directory\n"
+
+
+def test_a_missing_extra_names_the_extra_to_install(monkeypatch):
+    import importlib.util
+
+    from nanoqwen import extras
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "transformers" else real(name))
+    assert extras.missing("torch") == ["transformers"]
+    with pytest.raises(extras.MissingExtra, match=r"^the baseline needs transformers: pip install 'nanoqwen\[torch\]'$"):
+        extras.require("torch", "the baseline")
