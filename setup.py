@@ -4,6 +4,7 @@ pyproject.toml."""
 
 import glob
 import os
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -17,6 +18,7 @@ class BuildPyWithData(build_py):
         super().run()
         for folder, patterns in DATA.items():
             dest = os.path.join(self.build_lib, "nanoqwen", "_data", folder)
+            shutil.rmtree(dest, ignore_errors=True)   # a file deleted from the checkout must not ship stale
             self.mkpath(dest)
             for pattern in patterns:
                 for src in sorted(glob.glob(os.path.join(folder, pattern))):

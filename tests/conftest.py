@@ -19,7 +19,8 @@ NEEDED = ("hypothesis", "torch", "transformers")
 def pytest_configure(config):
     """The test extra must be installed (one line if not). The whole run uses a cache root of its own
     (kernels, packed models, tuned results), set before any test module is imported: the suite never
-    writes into the user's ~/.cache/nanoqwen."""
+    writes into the user's ~/.cache/nanoqwen. $NANOQWEN_TEST_CACHE_DIR names one explicitly (kept after the
+    run: tools/gpu_check.sh compiles every kernel into it once for all its test processes)."""
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
         raise pytest.UsageError(f"the tests need {', '.join(missing)}: pip install -e '.[test]' in the checkout")
@@ -27,13 +28,14 @@ def pytest_configure(config):
     # No example database: it would be written into the checkout (tests write only to temporary directories).
     settings.register_profile("nanoqwen", deadline=None, max_examples=60, database=None)
     settings.load_profile("nanoqwen")
-    config._nanoqwen_cache = tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
-    os.environ["NANOQWEN_CACHE_DIR"] = config._nanoqwen_cache
+    chosen = os.environ.get("NANOQWEN_TEST_CACHE_DIR")
+    config._nanoqwen_temp_cache = None if chosen else tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
+    os.environ["NANOQWEN_CACHE_DIR"] = chosen or config._nanoqwen_temp_cache
 
 
 def pytest_unconfigure(config):
-    if hasattr(config, "_nanoqwen_cache"):
-        shutil.rmtree(config._nanoqwen_cache, ignore_errors=True)
+    if getattr(config, "_nanoqwen_temp_cache", None):
+        shutil.rmtree(config._nanoqwen_temp_cache, ignore_errors=True)
 
 
 @functools.cache

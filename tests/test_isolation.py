@@ -1,5 +1,6 @@
 """The test suite writes only to temporary directories: conftest gives the whole run a cache root of its
-own before any test module is imported, and removes it afterwards."""
+own before any test module is imported (or the one $NANOQWEN_TEST_CACHE_DIR names), and removes it
+afterwards."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def test_build_writes_the_cache():
 
 
 def test_this_run_uses_a_temporary_cache_root():
-    root = paths.cache_root()
-    assert root.is_relative_to(Path(tempfile.gettempdir())) and root.is_dir()
+    root, chosen = paths.cache_root(), os.environ.get("NANOQWEN_TEST_CACHE_DIR")
+    if chosen:
+        assert root == Path(chosen)
+    else:
+        assert root.parent == Path(tempfile.gettempdir()) and root.name.startswith("nanoqwen-test-cache-")
     assert root != Path("~/.cache/nanoqwen").expanduser()
 
 
@@ -37,7 +41,8 @@ def test_a_session_building_kernels_leaves_home_untouched(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (tmp_path / "test_inner.py").write_text(INNER)
-    env = {k: v for k, v in os.environ.items() if k not in ("NANOQWEN_CACHE_DIR", "NANOQWEN_DISABLE_JIT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NANOQWEN_CACHE_DIR", "NANOQWEN_TEST_CACHE_DIR", "NANOQWEN_DISABLE_JIT")}
     env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest",
                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
