@@ -64,6 +64,8 @@ def resolve(model: str | Path, tokenizer: str | Path | None = None, cfg: Config 
     from .pack import pack_hf, total_source_bytes
 
     cfg = cfg or default()
+    if tokenizer and not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise ModelError(f"--tokenizer {tokenizer}: no tokenizer.json in that directory")
     model = Path(model)
     if model.is_file():
         tok_dir = Path(tokenizer) if tokenizer else model.parent

@@ -60,12 +60,21 @@ def test_pack_into_an_existing_directory(tmp_path, capsys):
     (["pack", "--random", "tiny", "--workers", "0", "-o", "{tmp}/x.nanoqwen"], "--workers must be at least 1"),
     (["pack", "{tmp}/not-a-model", "-o", "{tmp}/x.nanoqwen"], "not-a-model"),
     (["inspect", "{tmp}"], "{tmp}"),
+    (["bench", "--kernels", "--out", "{tmp}/missing/k.json"], "no directory {tmp}/missing to write it into"),
+    (["bench", "7b", "--plot", "{tmp}/missing/itl.png"], "no directory {tmp}/missing to write it into"),
 ])
 def test_bad_paths_are_one_line(argv, message, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main.main(argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message.format(tmp=tmp_path) in err, err
+
+
+def test_gen_list_with_a_bad_model_prints_only_the_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert gen.main(["list", "--model", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "config.json" in err
 
 
 def test_gen_cubin_onto_a_directory_is_one_line(tmp_path, capsys):

@@ -51,6 +51,7 @@ def _type_name(tp) -> str:
 
 
 def cmd_list(args) -> int:
+    specs = _model_specs(args)   # a bad --model fails before anything is printed
     for name in sorted(kernels.FAMILIES):
         cls = kernels.family(name)
         print(f"{name}  (templates/{cls.template})")
@@ -58,7 +59,6 @@ def cmd_list(args) -> int:
             shown = "required" if default is dataclasses.MISSING else f"default {default!r}"
             print(f"    {pname}: {_type_name(tp)}  {shown}")
     if args.model:
-        specs = _model_specs(args)
         print(f"\nkernels for --model {args.model} ({len(specs)}):")
         for s in specs:
             print(f"  {s.uri}\n      {s.spec_repr}")
