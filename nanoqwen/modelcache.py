@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import NanoqwenError
-from .paths import cache_root
 from .config import Config, default
+from .paths import cache_root
 from .progress import Progress
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
