@@ -25,12 +25,13 @@ def pytest_configure(config):
     if missing:
         raise pytest.UsageError(f"the tests need {', '.join(missing)}: pip install -e '.[test]' in the checkout")
     from hypothesis import settings
-    # No example database: it would be written into the checkout (tests write only to temporary directories).
-    settings.register_profile("nanoqwen", deadline=None, max_examples=60, database=None)
+    from hypothesis.configuration import set_hypothesis_home_dir
+    settings.register_profile("nanoqwen", deadline=None, max_examples=60)
     settings.load_profile("nanoqwen")
     chosen = os.environ.get("NANOQWEN_TEST_CACHE_DIR")
     config._nanoqwen_temp_cache = None if chosen else tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
     os.environ["NANOQWEN_CACHE_DIR"] = chosen or config._nanoqwen_temp_cache
+    set_hypothesis_home_dir(os.path.join(os.environ["NANOQWEN_CACHE_DIR"], "hypothesis"))  # not ./.hypothesis
 
 
 def pytest_unconfigure(config):

@@ -16,8 +16,14 @@ from nanoqwen import paths
 TESTS = Path(__file__).resolve().parent
 
 INNER = '''
+from hypothesis import given, strategies as st
+
 from nanoqwen import codegen, paths
 from nanoqwen.codegen.kernels.copy import CopySpec
+
+@given(st.integers())
+def test_hypothesis_keeps_its_files_out_of_the_cwd(n):
+    assert isinstance(n, int)
 
 def test_build_writes_the_cache():
     built = codegen.build(CopySpec())
@@ -37,13 +43,15 @@ def test_this_run_uses_a_temporary_cache_root():
 
 def test_a_session_building_kernels_leaves_home_untouched(tmp_path):
     """A pytest session with this conftest, run with no NANOQWEN_CACHE_DIR and a fresh HOME, compiles a
-    kernel: nothing appears under HOME, and the session's cache root is gone when it ends."""
+    kernel and runs a hypothesis test: nothing appears under HOME or in the working directory, and the
+    session's cache root is gone when it ends."""
     home = tmp_path / "home"
     home.mkdir()
     (tmp_path / "test_inner.py").write_text(INNER)
     env = {k: v for k, v in os.environ.items()
            if k not in ("NANOQWEN_CACHE_DIR", "NANOQWEN_TEST_CACHE_DIR", "NANOQWEN_DISABLE_JIT")}
-    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+               PYTHONDONTWRITEBYTECODE="1")   # Python's own __pycache__ is not what this test is about
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest",
                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -52,3 +60,4 @@ def test_a_session_building_kernels_leaves_home_untouched(tmp_path):
     assert inner_root.name.startswith("nanoqwen-test-cache-") and inner_root.parent == Path(tempfile.gettempdir())
     assert not inner_root.exists()
     assert list(home.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "test_inner.py"]
