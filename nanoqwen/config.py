@@ -11,9 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from . import ROOT, NanoqwenError
-
-DEFAULT_PATH = ROOT / "config" / "nanoqwen.yaml"
+from . import NanoqwenError, paths
 
 
 class ConfigError(NanoqwenError):
@@ -165,8 +163,9 @@ def _coerce(tp, value, path: str):
     return value
 
 
-def load(path: str | Path = DEFAULT_PATH) -> Config:
-    path = Path(path)
+def load(path: str | Path | None = None) -> Config:
+    """``path``, or the packaged config/nanoqwen.yaml."""
+    path = Path(path) if path is not None else paths.data_path("config", "nanoqwen.yaml")
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
@@ -178,5 +177,5 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
 
 @functools.cache
 def default() -> Config:
-    """The repository's config, loaded once per process."""
-    return load(DEFAULT_PATH)
+    """The packaged config, loaded once per process."""
+    return load()

@@ -16,9 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import NanoqwenError
-from .codegen.cache import cache_dir
 from .config import Config, default
 from .nqfile import VERSION as FORMAT_VERSION
+from .paths import cache_root
 from .tokenizer import FILES as TOKENIZER_FILES
 from .progress import Progress
 
@@ -42,7 +42,7 @@ def _file_digest(path: Path, memo: dict) -> str:
 
 
 def content_key(hf_dir: Path, cfg: Config) -> str:
-    memo_path = cache_dir(cfg.codegen) / "models" / "digests.json"
+    memo_path = cache_root(cfg.codegen) / "models" / "digests.json"
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
@@ -67,6 +67,8 @@ def resolve(model: str | Path, tokenizer: str | Path | None = None, cfg: Config 
     from .pack import pack_hf, total_source_bytes
 
     cfg = cfg or default()
+    if tokenizer and not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise ModelError(f"--tokenizer {tokenizer}: no tokenizer.json in that directory")
     model = Path(model)
     if model.is_file():
         tok_dir = Path(tokenizer) if tokenizer else model.parent
@@ -74,7 +76,7 @@ def resolve(model: str | Path, tokenizer: str | Path | None = None, cfg: Config 
         if not (model / "config.json").exists():
             raise ModelError(f"{model}: not a Hugging Face model directory (no config.json)")
         tok_dir = Path(tokenizer) if tokenizer else model
-        entry = cache_dir(cfg.codegen) / "models" / f"{model.resolve().name}-{content_key(model, cfg)[:16]}"
+        entry = cache_root(cfg.codegen) / "models" / f"{model.resolve().name}-{content_key(model, cfg)[:16]}"
         packed = entry / "model.nanoqwen"
         if not packed.exists():
             ckpt = HFCheckpoint(model)

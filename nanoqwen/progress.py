@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from .units import size
+
 
 class Progress:
     """``p = Progress(total_bytes, "pack"); p(n)`` per n bytes done; ``p.close()`` prints the final line.
@@ -34,8 +36,8 @@ class Progress:
         rate = self.done / dt
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        return (f"{self.label} [{bar}] {100 * frac:5.1f}% {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                f"{rate / 1e6:.0f} MB/s {dt:.0f}s elapsed, ETA {eta:.0f}s")
+        return (f"{self.label} [{bar}] {100 * frac:5.1f}% {size(self.done)}/{size(self.total)} "
+                f"{size(rate)}/s {dt:.0f}s elapsed, ETA {eta:.0f}s")
 
     def close(self) -> None:
         self.stream.write(("\r" if self.tty else "") + self._line(time.perf_counter()) + "\n")

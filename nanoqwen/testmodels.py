@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ROOT
+from . import extras, paths
 from .dims import ModelDims
 
-SMALL_PY_DIR = ROOT / "tests" / "data" / "small-py"
+SMALL_PY_DIR = paths.PACKAGE_DIR.parent / "tests" / "data" / "small-py"  # in a source checkout only
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -138,6 +138,7 @@ def write_hf_dir(path: str | Path, dims: ModelDims, weights: dict[str, np.ndarra
     """A real HF Qwen2 directory: config.json, model.safetensors (bf16, like the released checkpoints),
     generation_config.json and the tokenizer (a `tokenizers.Tokenizer`, or files copied from tokenizer_dir).
     `weights` maps HF tensor names to float arrays."""
+    extras.require("torch", "writing a Hugging Face model directory")  # bf16 safetensors come from torch
     import torch
     from safetensors.torch import save_file
 

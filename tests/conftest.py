@@ -3,17 +3,45 @@ CUDA device and are skipped cleanly without one; everything else runs on the CPU
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import settings
+import importlib.util
+import os
+import shutil
+import tempfile
 
-settings.register_profile("nanoqwen", deadline=None, max_examples=60)
-settings.load_profile("nanoqwen")
+import pytest
+
+# What test modules import at their top beyond the runtime (the GPU machine has these and no registry);
+# tests of the serve and eval extras check for their own modules.
+NEEDED = ("hypothesis", "torch", "transformers")
+
+
+def pytest_configure(config):
+    """The test extra must be installed (one line if not). The whole run uses a cache root of its own
+    (kernels, packed models, tuned results), set before any test module is imported: the suite never
+    writes into the user's ~/.cache/nanoqwen. $NANOQWEN_TEST_CACHE_DIR names one explicitly (kept after the
+    run: tools/gpu_check.sh compiles every kernel into it once for all its test processes)."""
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        raise pytest.UsageError(f"the tests need {', '.join(missing)}: pip install -e '.[test]' in the checkout")
+    from hypothesis import settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+    settings.register_profile("nanoqwen", deadline=None, max_examples=60)
+    settings.load_profile("nanoqwen")
+    chosen = os.environ.get("NANOQWEN_TEST_CACHE_DIR")
+    config._nanoqwen_temp_cache = None if chosen else tempfile.mkdtemp(prefix="nanoqwen-test-cache-")
+    os.environ["NANOQWEN_CACHE_DIR"] = chosen or config._nanoqwen_temp_cache
+    set_hypothesis_home_dir(os.path.join(os.environ["NANOQWEN_CACHE_DIR"], "hypothesis"))  # not ./.hypothesis
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_nanoqwen_temp_cache", None):
+        shutil.rmtree(config._nanoqwen_temp_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def fresh_build(tmp_path_factory):
     """`build_many(specs, **kw)` into a fresh kernel cache, JIT enabled: CI really compiles every kernel it
-    checks (a warm ~/.cache/nanoqwen would hide a template that no longer compiles)."""
+    checks (a warm cache would hide a template that no longer compiles)."""
     from nanoqwen import codegen
 
     def build(specs, **kw):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,10 +18,10 @@ from nanoqwen.cli.pack import RANDOM_DIMS
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
-from nanoqwen import ROOT
 from nanoqwen.backends import cuda_available
 
-spec = importlib.util.spec_from_file_location("results_table", ROOT / "tools" / "results_table.py")
+spec = importlib.util.spec_from_file_location("results_table",
+                                              Path(__file__).resolve().parents[1] / "tools" / "results_table.py")
 results_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(results_table)
 

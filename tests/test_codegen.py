@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, strategies as st
 
-from nanoqwen import ROOT, codegen
+from nanoqwen import codegen, paths
 from nanoqwen.cli import gen
 from nanoqwen.codegen import cache, gpu, nvrtc, resources
 from nanoqwen.codegen.kernels import FAMILIES, family, from_params
@@ -144,7 +144,7 @@ def test_bad_launch_rejected(kw):
 def test_every_registered_family_resolves():
     for name in FAMILIES:
         cls = family(name)
-        assert issubclass(cls, KernelSpec) and cls.family == name and (ROOT / "templates" / cls.template).is_file()
+        assert issubclass(cls, KernelSpec) and cls.family == name and paths.data_path("templates", cls.template).is_file()
 
 
 # ---- cache -------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ that are now constants of nanoqwen/nqfile.py and nanoqwen/quant.py) or a missing
 import pytest
 import yaml
 
-from nanoqwen.config import DEFAULT_PATH, ConfigError, load
+from nanoqwen.config import ConfigError, load
+from nanoqwen.paths import data_path
+
+DEFAULT_PATH = data_path("config", "nanoqwen.yaml")
 
 
 def _write(tmp_path, data):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from nanoqwen import ROOT, codegen, config
+from nanoqwen import codegen, config, paths
 from nanoqwen.codegen import kernels
 from nanoqwen.codegen.kernels import attention, gemv
 from nanoqwen.codegen.kernels.copy import CopySpec
@@ -60,7 +60,7 @@ def test_gemv_variant_sees_the_parameters_it_lacks_as_null(spec):
 
 
 def test_templates_have_no_jinja_branches():
-    for path in sorted((ROOT / "templates").glob("*.j2")):
+    for path in sorted(paths.data_path("templates").glob("*.j2")):
         assert "{%" not in path.read_text(), f"{path.name}: a Jinja tag (variants are if constexpr in C++)"
 
 

@@ -121,6 +121,12 @@ def test_nanoqwen_file_model(capsys, packed):
     (["--prompt", PROMPT, "--temperature", "-1"], "--temperature"),
     (["--prompt", PROMPT, "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--prompt", ""], "prompt is empty"),
+    (["--chat", ""], "--chat is empty"),
+    (["--chat", "  \n"], "--chat is empty"),
+    (["--prompt", PROMPT, "--context", "0"], "--context must be at least 1 token, got 0"),
+    (["--prompt", PROMPT, "--context", "100000"], "--context 100000 exceeds the model's"),
+    (["--prompt", PROMPT, "--temperature", "1", "--seed", "-1"], "--seed must be a non-negative integer"),
+    (["--prompt", PROMPT, "--tokenizer", "/nonexistent-dir"], "--tokenizer /nonexistent-dir: no tokenizer.json"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
     from nanoqwen.backends import cuda_available

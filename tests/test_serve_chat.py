@@ -15,7 +15,7 @@ import time
 import pytest
 
 from _serve_util import greedy
-from nanoqwen import ROOT
+from nanoqwen.paths import PACKAGE_DIR
 from nanoqwen.backends import ReferenceEngine
 from nanoqwen.modelcache import resolve
 from nanoqwen.serve.prompts import stop_ids
@@ -31,7 +31,7 @@ def cache(tmp_path_factory):
 
 
 def chat(cache, *args, **kw):
-    env = dict(os.environ, NANOQWEN_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, NANOQWEN_CACHE_DIR=str(cache), PYTHONPATH=str(PACKAGE_DIR.parent))
     return subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "chat", str(SMALL_PY_DIR), "--backend",
                              "reference", *args], env=env, text=True, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)

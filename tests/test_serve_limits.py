@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from _serve_util import server as start_server
-from nanoqwen import ROOT
+from nanoqwen.paths import PACKAGE_DIR
 from nanoqwen.testmodels import SMALL_PY_DIR
 
 KEY = "sk-test-key"
@@ -95,7 +95,7 @@ def test_startup_errors_are_one_line(tmp_path, args, needle):
     bad = tmp_path / "bad.nanoqwen"
     bad.write_bytes(b"not a model" * 100)
     argv = [str(bad) if a == "BAD" else a for a in args] + ["--backend", "reference", "--port", "0"]
-    env = dict(os.environ, NANOQWEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, NANOQWEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(PACKAGE_DIR.parent))
     r = subprocess.run([sys.executable, "-m", "nanoqwen.cli.main", *argv], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1, r.stderr

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nanoqwen import config
+from nanoqwen import config, paths
 from nanoqwen.cli import tune as tune_cli
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
@@ -33,11 +33,11 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
 
 @pytest.fixture
 def tmp_store(tmp_path, monkeypatch):
-    path = tmp_path / "tuned.json"
-    monkeypatch.setattr(store, "TUNED_PATH", path)
+    """The user's tuned results under a fresh cache root (the shipped file is read beside it, never written)."""
+    monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
     store.lookup_params.cache_clear()
     tuned._notice_once.cache_clear()
-    yield path
+    yield store.user_path()
     store.lookup_params.cache_clear()
 
 
@@ -62,6 +62,40 @@ def test_merge_keeps_other_entries_and_leaves_no_temp_files(tmp_store):
     data = json.loads(tmp_store.read_text())
     assert set(data["entries"]) == {"a", "b"} and data["meta"]["gpu"] == "y"
     assert [p.name for p in tmp_store.parent.iterdir()] == ["tuned.json"]
+
+
+def test_user_results_override_shipped_ones_per_key(tmp_store, tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps({"meta": {"format": store.FORMAT},
+                                   "entries": {"a": {"params": {"rows": 1}}, "b": {"params": {"rows": 2}}}}))
+    monkeypatch.setattr(store, "shipped_path", lambda: shipped)
+    before = shipped.read_bytes()
+    store.merge_write({"a": {"params": {"rows": 4}}}, {"gpu": "x"})       # default target: the user's file
+    assert json.loads(tmp_store.read_text())["entries"] == {"a": {"params": {"rows": 4}}}
+    assert shipped.read_bytes() == before
+    assert store.load()["entries"] == {"a": {"params": {"rows": 4}}, "b": {"params": {"rows": 2}}}
+    assert store.lookup_params("a") == {"rows": 4} and store.lookup_params("b") == {"rows": 2}
+
+
+@pytest.mark.parametrize("argv,where", [([], "user"), (["--repo"], "repo")])
+def test_cli_writes_the_user_file_unless_told_repo(argv, where, tmp_store, monkeypatch):
+    from nanoqwen.tuning import sweep
+    seen = {}
+
+    def fake_tune(*args, out, **kwargs):   # the GPU sweep itself runs in tools/gpu_check.sh
+        seen["out"] = out
+        return []
+    monkeypatch.setattr(sweep, "tune", fake_tune)
+    assert tune_cli.main(["--roles", "qkv", *argv]) == 0
+    want = tmp_store if where == "user" else paths.checkout() / "tune" / "tuned.json"
+    assert seen["out"] == want
+
+
+def test_cli_repo_without_a_checkout_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(paths, "checkout", lambda: None)
+    assert tune_cli.main(["--repo"]) == 1
+    err = capsys.readouterr().err
+    assert "no source checkout" in err and err.count("\n") == 1
 
 
 def test_unknown_format_is_a_clear_error(tmp_path):

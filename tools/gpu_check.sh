@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
+export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built
 LOG="$OUT/run.log"
 exec > >(tee -a "$LOG") 2>&1
 
@@ -53,7 +54,7 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     done
 fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
-    stage tune $(( GPU_CHECK_TUNE + 120 )) $PY -m nanoqwen.cli.tune --budget "$GPU_CHECK_TUNE"
+    stage tune $(( GPU_CHECK_TUNE + 120 )) $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE"
     cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
 fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"

@@ -13,18 +13,18 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from nanoqwen import ROOT, codegen, config
+from nanoqwen import codegen, config
 from nanoqwen.codegen import resources
 from nanoqwen.codegen.kernels import attention, gemv
 from nanoqwen.dims import QWEN25_7B, ModelDims
-from nanoqwen.testmodels import tiny_dims
+from nanoqwen.testmodels import SMALL_PY_DIR, tiny_dims
 from nanoqwen.codegen import tuned
 
 
 def model_specs() -> dict[str, list[codegen.KernelSpec]]:
     cfg = config.default()
     models = {"7b": QWEN25_7B, "tiny": tiny_dims(),
-              "small-py": ModelDims.from_hf_dir(ROOT / "tests" / "data" / "small-py")}
+              "small-py": ModelDims.from_hf_dir(SMALL_PY_DIR)}
     return {name: list(dict.fromkeys(codegen.model_kernels(dims, cfg) + tuned.tuned_specs(dims, cfg)
                                      + gemv.variants(dims, cfg) + [_plain(dims, cfg)]))
             for name, dims in models.items()}

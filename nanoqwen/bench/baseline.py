@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .. import extras
 from ..codegen.kernels import gemv
 from ..config import Config, default
 from .mbu import GEMV_REGION
@@ -35,7 +36,7 @@ def _torch_cuda():
     try:
         import torch
     except ImportError as e:
-        return None, f"torch is not importable ({e})"
+        return None, f"torch is not importable ({e}; {extras.hint('torch')})"
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
     return torch, None
@@ -94,7 +95,7 @@ def transformers_baseline(path: Path, prompt_tokens: int, gen_tokens: int, log=p
     try:
         import transformers
     except ImportError as e:
-        return {"skipped": f"transformers is not importable ({e})"}
+        return {"skipped": f"transformers is not importable ({e}; {extras.hint('torch')})"}
     model = None
     try:
         model = _load_hf(torch, path, log)

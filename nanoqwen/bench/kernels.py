@@ -16,7 +16,7 @@ import subprocess
 
 import numpy as np
 
-from .. import ROOT, codegen, config
+from .. import codegen, config, paths
 from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..dims import QWEN25_7B, ModelDims
@@ -129,8 +129,11 @@ def clocks() -> dict:
 def git_commit() -> str | None:
     if os.environ.get("NANOQWEN_COMMIT"):
         return os.environ["NANOQWEN_COMMIT"]
+    top = paths.checkout()
+    if top is None:
+        return None
     try:
-        res = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        res = subprocess.run(["git", "-C", str(top), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)
         return res.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

@@ -34,10 +34,9 @@ def _check(args) -> None:
         if extra:
             raise BenchError(f"nanoqwen bench --kernels takes no {', '.join(extra)} "
                              f"(it times the 7B GEMV shapes alone)")
-        return
-    if args.model is None:
+    elif args.model is None:
         raise BenchError("nanoqwen bench: give MODEL (a .nanoqwen file, a HF directory or 7b) or --kernels")
-    if args.model != "7b" and not Path(args.model).exists():
+    elif args.model != "7b" and not Path(args.model).exists():
         raise BenchError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file, a HF directory or 7b)")
     for opt, v, lo in (("--warmup", args.warmup, 0), ("--prompt-tokens", args.prompt_tokens, 1),
                        ("--gen-tokens", args.gen_tokens, 2), ("--repetitions", args.repetitions, 1)):
@@ -47,6 +46,8 @@ def _check(args) -> None:
                               ("--out", args.out, ".json")):
         if path is not None and path.suffix.lower() != suffix:
             raise BenchError(f"{opt} {path}: expected a {suffix} file name")
+        if path is not None and not path.resolve().parent.is_dir():   # before the benchmark, not after
+            raise BenchError(f"{opt} {path}: no directory {path.parent} to write it into")
 
 
 def _kernels(args) -> dict:

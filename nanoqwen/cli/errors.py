@@ -1,4 +1,5 @@
-"""One clear line and a non-zero exit for every error a user can act on; tracebacks only on request."""
+"""One clear line and a non-zero exit for every error a user can act on; tracebacks only on request
+(NANOQWEN_TRACEBACK=1)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from .. import NanoqwenError
 def run_main(fn, argv=None) -> int:
     try:
         return fn(argv) or 0
-    except NanoqwenError as e:
-        if os.environ.get("NANOQWEN_TRACEBACK"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:   # `nanoqwen ... | head`: the reader left, nothing to report
+        return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
+    # OSError: a path the user gave is missing, unreadable, a directory, or its disk is full
+    except (NanoqwenError, OSError) as e:
+        if os.environ.get("NANOQWEN_TRACEBACK"):
+            raise
+        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else e
+        print(f"error: {message}", file=sys.stderr)
+        return 1

@@ -10,7 +10,6 @@ serving with NANOQWEN_DISABLE_JIT=1).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -18,9 +17,11 @@ from pathlib import Path
 
 from .. import codegen, config
 from ..codegen import kernels, nvrtc, resources
-from ..codegen.cache import STATS, cache_dir
+from ..codegen.cache import STATS
+from ..paths import cache_root
 from ..codegen.spec import SpecError, parse_params
 from ..dims import QWEN25_7B, DimsError, ModelDims
+from .args import parser
 from .errors import run_main
 
 
@@ -50,6 +51,7 @@ def _type_name(tp) -> str:
 
 
 def cmd_list(args) -> int:
+    specs = _model_specs(args)   # a bad --model fails before anything is printed
     for name in sorted(kernels.FAMILIES):
         cls = kernels.family(name)
         print(f"{name}  (templates/{cls.template})")
@@ -57,7 +59,6 @@ def cmd_list(args) -> int:
             shown = "required" if default is dataclasses.MISSING else f"default {default!r}"
             print(f"    {pname}: {_type_name(tp)}  {shown}")
     if args.model:
-        specs = _model_specs(args)
         print(f"\nkernels for --model {args.model} ({len(specs)}):")
         for s in specs:
             print(f"  {s.uri}\n      {s.spec_repr}")
@@ -122,7 +123,7 @@ def _build_all(specs):
     t0 = time.perf_counter()
     built = codegen.build_many(specs, progress=codegen.ProgressLine())
     print(f"{len(built)} kernels in {time.perf_counter() - t0:.1f} s ({STATS.hits} cached, {STATS.misses} "
-          f"compiled, NVRTC {nvrtc.version()}, cache {cache_dir(config.default().codegen)})", file=sys.stderr)
+          f"compiled, NVRTC {nvrtc.version()}, cache {cache_root()})", file=sys.stderr)
     return built
 
 
@@ -183,9 +184,8 @@ def cmd_compile(args) -> int:
 
 
 def _main(argv) -> int:
-    parser = argparse.ArgumentParser(prog="nanoqwen-gen", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    top = parser("nanoqwen-gen", __doc__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
     model_help = "7b, tiny, a Hugging Face model directory, or a .nanoqwen file"
     p = sub.add_parser("list", help="kernel families, their parameters, and the kernels a model needs")
     p.add_argument("--model", help=model_help)
@@ -203,7 +203,7 @@ def _main(argv) -> int:
     p = sub.add_parser("compile", help="build every kernel --model needs into the cache; print resources")
     p.add_argument("--model", help=model_help)
     p.set_defaults(_run=cmd_compile)
-    args = parser.parse_args(argv)
+    args = top.parse_args(argv)
     return args._run(args)
 
 

@@ -11,6 +11,7 @@ from .. import tokenizer
 from ..nqfile import NanoqwenFile, weight_tensors
 from ..progress import Progress
 from ..quant import LAYOUT_NAME
+from ..units import size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def _print_tokenizer(f: NanoqwenFile) -> None:
 def run(args) -> int:
     f = NanoqwenFile(args.file)  # validates everything but payload checksums
     h = f.header
-    print(f"file      {f.path} ({f.size:,} bytes)")
+    print(f"file      {f.path} ({size(f.size)}, {f.size:,} bytes)")
     print(f"format    version {h['version']}, layout {h['layout_id']} ({LAYOUT_NAME}), "
           f"group {h['group_size']}, {'SYNTHETIC (random weights)' if f.synthetic else 'real weights'}")
     print(f"table     {h['entry_count']} entries at {h['table_offset']} ({h['table_bytes']} bytes), "
@@ -60,7 +61,7 @@ def run(args) -> int:
         nbytes[kind] += e.nbytes
     print("\ntotals")
     for kind in sorted(count):
-        print(f"  {kind:<12} {count[kind]:>5} entries {nbytes[kind] / 1e9:>9.3f} GB")
+        print(f"  {kind:<12} {count[kind]:>5} entries {size(nbytes[kind]):>10}")
     if args.verify:
         bar = Progress(sum(e.nbytes for e in f.entries), "verify")
         f.verify(progress=bar)

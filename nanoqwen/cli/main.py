@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
+from .args import parser
 from .errors import run_main
 
 # subcommand -> module holding add_arguments/run; imported only when chosen, so `nanoqwen pack` never
@@ -22,16 +22,17 @@ SUBCOMMANDS = {
 
 
 def _main(argv) -> int:
-    parser = argparse.ArgumentParser(prog="nanoqwen", description=__doc__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    top = parser("nanoqwen", __doc__)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = argv[0] if argv else None
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_)
         if name == chosen:
             mod = importlib.import_module(module)
+            p.description = mod.__doc__
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
-    args = parser.parse_args(argv)
+    args = top.parse_args(argv)
     return args._run(args)
 
 

@@ -16,16 +16,17 @@ def add_arguments(p) -> None:
     what.add_argument("--prompt", help="raw text to continue")
     what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     p.add_argument("--system", help="system message for --chat (default: the template's)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after this many tokens")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: keep this probability mass")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible runs)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="cuda, reference (numpy on the CPU) or auto (cuda when a GPU is present)")
     p.add_argument("--eager", action="store_true", help="launch kernels one by one instead of CUDA graphs")
     p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="KV cache size in tokens (default: exactly prompt + max-new-tokens)")
+                   help="KV cache size in tokens, at most the model's positions (default: exactly prompt + "
+                        "max-new-tokens)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="HF directory whose tokenizer replaces the model's (default: the one MODEL stores)")
     p.add_argument("--no-verify", action="store_true",
@@ -36,6 +37,24 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _check_args(args) -> None:
+    """Argument errors that need no model: one line each, before anything is loaded."""
+    for opt, text in (("--prompt", args.prompt), ("--chat", args.chat)):
+        if text is not None and not text.strip():
+            raise NanoqwenError(f"{opt} is empty: give it some text")
+    if args.context is not None and args.context < 1:
+        raise NanoqwenError(f"--context must be at least 1 token, got {args.context}")
+
+
+def _context(args, dims, prompt_tokens: int) -> int:
+    """The KV cache size: --context (at most the model's positions), or exactly what the request needs."""
+    if args.context is None:
+        return prompt_tokens + args.max_new_tokens
+    if args.context > dims.max_positions:
+        raise NanoqwenError(f"--context {args.context} exceeds the model's {dims.max_positions} positions")
+    return args.context
+
+
 def run(args) -> int:
     from .. import tokenizer
     from ..modelcache import resolve
@@ -43,6 +62,7 @@ def run(args) -> int:
     from ..runtime.generate import check_request, generate
     from ..runtime.sampler import Sampling
 
+    _check_args(args)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     path = resolve(args.model, log=_log)[0]
     tok = tokenizer.load(path, args.tokenizer)
@@ -52,8 +72,9 @@ def run(args) -> int:
         prompt_ids = tok.encode_chat(messages)
     else:
         prompt_ids = tok.encode(args.prompt)
-    context = args.context or len(prompt_ids) + args.max_new_tokens
-    check_request(NanoqwenFile(path).dims, prompt_ids, args.max_new_tokens, context)  # fail before loading
+    dims = NanoqwenFile(path).dims
+    context = _context(args, dims, len(prompt_ids))
+    check_request(dims, prompt_ids, args.max_new_tokens, context)  # fail before loading
     engine = open_engine(args.backend, path, context, eager=args.eager, log=_log, verify=not args.no_verify)
     out = sys.stdout
     if args.prompt is not None:

@@ -1,25 +1,28 @@
-"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--budget SECONDS]`: sweep the INT4
-GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in tune/tuned.json,
-which the decoder and `nanoqwen bench --kernels` read at startup."""
+"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--budget SECONDS] [--repo]`: sweep
+the INT4 GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in the user's
+tuned results (<cache root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which ships
+with the package), which the decoder and `nanoqwen bench --kernels` read at startup."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .. import NanoqwenError, config
+from .args import parser
 from .errors import run_main
 
 KERNELS = ("gemv",)
 
 
 def _main(argv) -> int:
-    p = argparse.ArgumentParser(prog="nanoqwen-tune", description=__doc__)
-    p.add_argument("--model", default="7b", help="7b (default), a .nanoqwen file or a HF directory: whose shapes")
+    p = parser("nanoqwen-tune", __doc__)
+    p.add_argument("--model", default="7b", help="whose shapes: 7b, a .nanoqwen file or a HF directory")
     p.add_argument("--kernels", default="gemv", help="kernel families to tune (comma-separated; only gemv so far)")
     p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="GEMV roles (comma-separated)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop judging new candidates after this long (resume later: progress is kept)")
+    p.add_argument("--repo", action="store_true",
+                   help="write the source checkout's tune/tuned.json (developers) instead of the user's file")
     args = p.parse_args(argv)
     families = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in families if k not in KERNELS]
@@ -33,10 +36,14 @@ def _main(argv) -> int:
     if args.budget <= 0:
         raise NanoqwenError(f"--budget must be positive, got {args.budget}")
     from .gen import model_dims
+    from ..codegen import tuned_store as store
     from ..tuning import sweep
+    out = store.repo_path() if args.repo else store.user_path()
     dims = model_dims(args.model)
-    summary = sweep.tune(dims, config.default(), roles, args.budget, log=lambda m: print(m, flush=True))
+    summary = sweep.tune(dims, config.default(), roles, args.budget, log=lambda m: print(m, flush=True), out=out)
     print(sweep.table(summary))
+    if summary:
+        print(f"stored in {out}")
     return 0
 
 

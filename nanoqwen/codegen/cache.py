@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import NanoqwenError
-from ..config import Codegen
 
 
 class JitDisabled(NanoqwenError):
@@ -24,10 +23,6 @@ class JitDisabled(NanoqwenError):
 
 def jit_disabled() -> bool:
     return os.environ.get("NANOQWEN_DISABLE_JIT", "") not in ("", "0")
-
-
-def cache_dir(cfg: Codegen) -> Path:
-    return Path(os.environ.get("NANOQWEN_CACHE_DIR") or cfg.cache_dir).expanduser()
 
 
 def key(source: str, headers: dict[str, str], options, nvrtc_version: str, arch: str) -> str:

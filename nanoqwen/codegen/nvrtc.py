@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import NanoqwenError
-from .render import TEMPLATES
+from .render import templates_dir
 
 
 class CompileError(NanoqwenError):
@@ -67,7 +67,7 @@ def full_options(arch: str, options) -> list[str]:
 
 def headers() -> dict[str, str]:
     """templates/*.cuh by include name: the only headers a kernel may include (no CUDA headers)."""
-    return {p.name: p.read_text() for p in sorted(TEMPLATES.glob("*.cuh"))}
+    return {p.name: p.read_text() for p in sorted(templates_dir().glob("*.cuh"))}
 
 
 def _fetch(nvrtc, prog, size_fn, get_fn, what: str) -> bytes:

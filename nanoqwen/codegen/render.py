@@ -4,13 +4,16 @@ source hash is a sound cache key. Templates hold CUDA, Python holds logic."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jinja2
 
-from .. import ROOT
+from .. import paths
 from .spec import KernelSpec, SpecError
 
-TEMPLATES = ROOT / "templates"
+
+def templates_dir() -> Path:
+    return paths.data_path("templates")
 
 
 def c_literal(value) -> str:
@@ -28,7 +31,7 @@ def c_literal(value) -> str:
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
     env.filters["c"] = c_literal
     return env

@@ -1,6 +1,10 @@
 """Tuned results: parameters (never binaries) per (GPU, arch, family, role, shape), with a metadata block,
 merged and written atomically. The codegen reads them at startup; a missing or stale entry falls back to
-the config defaults with a notice."""
+the config defaults with a notice.
+
+Two files hold them: the shipped tune/tuned.json (package data, read-only once installed) and the user's
+``<cache root>/tune/tuned.json``, where `nanoqwen-tune` writes by default. Readers see both merged, the
+user's entry winning per key, so a local sweep overrides the shipped tiles for that GPU and shape."""
 
 from __future__ import annotations
 
@@ -12,9 +16,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from .. import ROOT, NanoqwenError
+from .. import NanoqwenError, paths
 
-TUNED_PATH = ROOT / "tune" / "tuned.json"
 FORMAT = 1
 
 
@@ -26,9 +29,28 @@ def key(gpu: str, arch: str, family: str, role: str, n: int, k: int) -> str:
     return f"{gpu}|{arch}|{family}|{role}|n{n}_k{k}"
 
 
+def shipped_path() -> Path:
+    return paths.data_path("tune", "tuned.json")
+
+
+def user_path() -> Path:
+    return paths.cache_root() / "tune" / "tuned.json"
+
+
+def repo_path() -> Path:
+    """The source checkout's tune/tuned.json (developers commit their sweeps there)."""
+    top = paths.checkout()
+    if top is None:
+        raise StoreError("no source checkout to write tune/tuned.json into (nanoqwen runs installed)")
+    return top / "tune" / "tuned.json"
+
+
 def load(path: Path | None = None) -> dict:
-    """{"meta": {...}, "entries": {key: {"params": {...}, ...}}}; an absent file is an empty store."""
-    path = path or TUNED_PATH
+    """{"meta": {...}, "entries": {key: {"params": {...}, ...}}} of ``path``, or without one the shipped
+    results merged with the user's (the user's entry wins per key)."""
+    if path is None:
+        shipped, user = load(shipped_path()), load(user_path())
+        return {"meta": user["meta"], "entries": {**shipped["entries"], **user["entries"]}}
     if not path.exists():
         return {"meta": {"format": FORMAT}, "entries": {}}
     try:
@@ -41,8 +63,10 @@ def load(path: Path | None = None) -> dict:
 
 
 def merge_write(entries: dict, meta: dict, path: Path | None = None) -> None:
-    """Merge `entries` into the file (newer wins per key), atomically: temp file, fsync, os.replace."""
-    path = path or TUNED_PATH
+    """Merge `entries` into the file (default: the user's; newer wins per key), atomically: temp file, fsync,
+    os.replace."""
+    path = path or user_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = load(path)
     data["entries"].update(entries)
     data["meta"] = {**data["meta"], **meta, "format": FORMAT,

@@ -27,6 +27,8 @@ class Sampling:
             raise SamplingError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:   # numpy's generators take non-negative seeds only
+            raise SamplingError(f"--seed must be a non-negative integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ from ..codegen.cache import STATS
 from ..nqfile import NanoqwenFile
 from ..progress import Progress
 from ..reference import rope_tables
+from ..units import size
 from . import driver
 from .decoder import Decoder, step_specs
 from .generate import check_request
@@ -24,7 +25,6 @@ from .prefill import Prefiller, by_steps, prefill_specs, buffer_bytes as prefill
 from .sampler import Sampling
 from .weights import Weights, plan
 
-GiB = 2**30
 PREFILL_MODES = ("chunked", "decode")
 
 
@@ -61,9 +61,9 @@ class CudaSession:
         acts = scratch_bytes(d, self.context) + (prefill_bytes(d, chunk, self.context) if chunked else 0)
         need = w_bytes + kv_bytes + acts
         if need > props.free_mem:
-            raise DeviceError(f"not enough GPU memory: {need / GiB:.2f} GiB needed (weights {w_bytes / GiB:.2f}, "
-                              f"KV cache for {self.context} tokens {kv_bytes / GiB:.2f}), {props.free_mem / GiB:.2f} "
-                              f"GiB free of {props.total_mem / GiB:.2f} on {props.name}")
+            raise DeviceError(f"not enough GPU memory: {size(need)} needed (weights {size(w_bytes)}, KV cache for "
+                              f"{self.context} tokens {size(kv_bytes)}), {size(props.free_mem)} free of "
+                              f"{size(props.total_mem)} on {props.name}")
         gpu = codegen.GpuProfile.from_props(props)
         specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
         hits0, t1 = STATS.hits, time.perf_counter()
@@ -82,7 +82,7 @@ class CudaSession:
         # weight bytes one token streams (the embedding table is read one row at a time unless tied)
         self.bytes_per_token = w_bytes - (0 if d.tie_embeddings else self.weights.plan.regions["embed"].nbytes)
         log(f"loaded {f.path.name} in {time.perf_counter() - t0:.1f} s: {len(specs)} kernels "
-            f"({STATS.hits - hits0} cached, {t2 - t1:.1f} s), weights {w_bytes / GiB:.2f} GiB, "
+            f"({STATS.hits - hits0} cached, {t2 - t1:.1f} s), weights {size(w_bytes)}, "
             f"KV cache {self.context} tokens")
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling()):

@@ -26,6 +26,7 @@ import numpy as np
 from .. import NanoqwenError
 from ..codegen.kernels import gemv
 from ..nqfile import NanoqwenFile
+from ..units import size
 from . import driver
 
 ALIGN = 256  # bytes; cuMemAlloc itself aligns to 256, so every region is as aligned as a fresh allocation
@@ -123,8 +124,8 @@ class Weights:
         props = driver.device().props
         free, total = props.free_mem, props.total_mem
         if self.plan.nbytes > free:
-            raise WeightsError(f"{f.path}: weights need {self.plan.nbytes / 2**30:.2f} GiB of GPU memory, "
-                               f"only {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB is free")
+            raise WeightsError(f"{f.path}: weights need {size(self.plan.nbytes)} of GPU memory, "
+                               f"only {size(free)} of {size(total)} is free")
         self.buffer = driver.DeviceBuffer(self.plan.nbytes)
         base = self.buffer.ptr
         # the 1 GB embedding goes last: the checksum pool works in the copy order, so no copy waits for it

@@ -7,12 +7,10 @@ from functools import cache
 
 import yaml
 
-from .. import ROOT, NanoqwenError, config
+from .. import NanoqwenError, config, paths
 from ..codegen.kernels import gemv
 from ..codegen.spec import SpecError
 from ..dims import ModelDims
-
-SPACES_PATH = ROOT / "tune" / "spaces.yaml"
 
 
 class SpaceError(NanoqwenError):
@@ -21,19 +19,20 @@ class SpaceError(NanoqwenError):
 
 @cache
 def spaces() -> dict[str, dict[str, list]]:
+    path = paths.data_path("tune", "spaces.yaml")
     try:
-        data = yaml.safe_load(SPACES_PATH.read_text())
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise SpaceError(f"{SPACES_PATH}: cannot load search spaces: {e}") from None
+        raise SpaceError(f"{path}: cannot load search spaces: {e}") from None
     params = gemv.GemvInt4Spec.parameters()
     for family, space in data.items():
         if family != gemv.GemvInt4Spec.family:
-            raise SpaceError(f"{SPACES_PATH}: no tuner for kernel family {family!r}")
+            raise SpaceError(f"{path}: no tuner for kernel family {family!r}")
         for name, values in space.items():
             if name not in params:
-                raise SpaceError(f"{SPACES_PATH}: {family}.{name} is not a template parameter")
+                raise SpaceError(f"{path}: {family}.{name} is not a template parameter")
             if not isinstance(values, list) or not values:
-                raise SpaceError(f"{SPACES_PATH}: {family}.{name} must be a non-empty list")
+                raise SpaceError(f"{path}: {family}.{name} must be a non-empty list")
     return data
 
 

@@ -1,8 +1,9 @@
 """The GPU sweep behind `nanoqwen-tune`: per GEMV role, every candidate of the search space is compiled
 (in parallel, on the CPU), checked against the numpy answer on the GPU (a fast wrong kernel is discarded
 and reported), then timed the way decode runs it (graph back-to-back with PDL, weights rotating through
-more than L2). The best per (GPU, shape) goes into tune/tuned.json. Progress is kept per candidate in a
-side file, so an interrupted sweep resumes where it stopped."""
+more than L2). The best per (GPU, shape) goes into the tuned-results store (the user's file unless told
+otherwise). Progress is kept per candidate in a side file under the cache root, so an interrupted sweep
+resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import numpy as np
 
-from .. import ROOT, codegen, config
+from .. import codegen, config, paths
 from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase
 from ..codegen import tuned
@@ -21,15 +22,14 @@ from ..dims import ModelDims
 from ..runtime import driver
 from . import space
 
-PROGRESS_DIR = ROOT / "tune" / ".progress"
-
 
 class _Progress:
     """uri -> result of every candidate already judged on this GPU (resumability)."""
 
     def __init__(self, gpu: str):
-        PROGRESS_DIR.mkdir(parents=True, exist_ok=True)
-        self.path = PROGRESS_DIR / (gpu.replace(" ", "_").replace("/", "_") + ".json")
+        directory = paths.cache_root() / "tune" / "progress"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / (gpu.replace(" ", "_").replace("/", "_") + ".json")
         try:
             self.done = json.loads(self.path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -42,7 +42,8 @@ class _Progress:
         os.replace(tmp, self.path)
 
 
-def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print) -> list[dict]:
+def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print, out=None) -> list[dict]:
+    """Sweep `roles`; merge the winners into the tuned-results file ``out`` (default: the user's)."""
     dev = driver.device()
     gpu = dev.props.name
     stream, rng = driver.Stream(), np.random.default_rng()
@@ -97,7 +98,8 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print)
     blocker.free()
     stream.close()
     if entries:
-        store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()})
+        store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()},
+                          out)
     return summary
 
 
