@@ -55,8 +55,8 @@ class Decoder:
     """``shared`` is the runtime.state.SequenceState the step runs over; ``kernels`` maps each role of
     ``step_specs`` to ``(spec, Function)``."""
 
-    def __init__(self, shared, kernels: dict, graphs: bool = True, pdl: bool = True):
-        self.shared, self.kernels, self.graphs, self.pdl = shared, kernels, graphs, pdl
+    def __init__(self, shared, kernels: dict, pdl: bool = True):
+        self.shared, self.kernels, self.pdl = shared, kernels, pdl
         self.dims, self.stream = shared.dims, shared.stream
         self.bufs = Buffers(buffer_bytes(shared.dims, {r: spec for r, (spec, _fn) in kernels.items()}))
         self.host_in = driver.HostBuffer(4 * shared.capacity)   # tokens copied into state[0], slot = step
@@ -109,8 +109,8 @@ class Decoder:
         fn.launch(launch, self.stream, self.pdl, **{**args, "h": h})
 
     def capture(self) -> None:
-        """Record the step once (after an eager step: it loads every module and lets any lazy driver work
-        happen outside the capture)."""
+        """Record the step once; ``step`` replays it from then on. Call it after an eager step: that loads
+        every module and lets any lazy driver work happen outside the capture."""
         if self.graph is None:
             with driver.capture(self.stream) as g:
                 self.launch_kernels(self.stream)

@@ -77,7 +77,7 @@ class CudaSession:
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
                                    slots=ahead + 2)
         self.prefiller = Prefiller(self.state, kernels, chunk) if chunked else None
-        self.decoder = Decoder(self.state, kernels, graphs=not eager)
+        self.decoder = Decoder(self.state, kernels)
         self.runner = Runner(self.state, self.decoder, self.prefiller,
                              PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)
         list(self.runner.generate([0], 2))   # eager: loads every module, touches every buffer
