@@ -1,5 +1,5 @@
 """CPU checks of the decode runtime's wiring, no GPU: the weight layout (q/k/v stacked back to back, every
-region aligned, nothing overlapping), the memory plan against what the parts allocate, the decoder's
+region aligned, nothing overlapping), the device memory table against what the parts allocate, the decoder's
 launch sequence against every kernel's signature, with a fake driver whose buffers are address ranges
 (so every pointer argument is checked to land inside the buffer or weight region it names), and the
 Runner's request loop (launch-ahead, sampling feed, early close, prefix reuse through the page table)
@@ -220,9 +220,9 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     assert (gu["w0"], gu["w1"]) == (w.ptr("L0.gate.packed"), w.ptr("L0.up.packed"))
 
 
-def test_memory_plan_is_what_the_parts_allocate(nqfile, monkeypatch):
-    """The up-front check and the allocation read the same plan: every part allocates exactly its
-    entries, and the plan is all of them (plus the weights and the KV cache)."""
+def test_memory_table_is_what_the_parts_allocate(nqfile, monkeypatch):
+    """The up-front check and the allocation read the same tables: every part allocates exactly its
+    entries, and the merged table is all of them (plus the weights and the KV cache)."""
     d, cfg = nqfile.dims, config.default()
     run = fake_runner(nqfile, monkeypatch, capacity=100, chunk=32)
     specs = {r: s for r, (s, _fn) in run.decoder.kernels.items()}
@@ -232,7 +232,7 @@ def test_memory_plan_is_what_the_parts_allocate(nqfile, monkeypatch):
     for part, (bufs, want) in parts.items():
         assert {n: bufs[n].nbytes for n in bufs.names} == want, part
     lay = KVLayout.for_model(d, cfg, 100)
-    p = memory_mod.plan(weights=1000, kv=lay.total_bytes, **{k: v for k, (_b, v) in parts.items()})
+    p = memory_mod.merge(weights=1000, kv=lay.total_bytes, **{k: v for k, (_b, v) in parts.items()})
     assert sum(p.values()) == 1000 + lay.total_bytes + sum(sum(v.values()) for _b, v in parts.values())
     assert p["decode.h"] == 4 * d.hidden and p["state.tokens_out"] == 400 and p["prefill.tokens"] == 400
     memory_mod.check_fits(p, free=sum(p.values()), total=1 << 40, gpu="fake")

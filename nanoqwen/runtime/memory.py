@@ -1,7 +1,7 @@
-"""The memory plan: every device buffer the engine allocates, as name -> bytes. Each part declares its
+"""Device memory as one table, name -> bytes, of every buffer the engine allocates. Each part declares its
 buffers once (``state.buffer_bytes``, ``decoder.buffer_bytes``, ``prefill.buffer_bytes``, beside the
-weights' and the KV cache's totals); the session sums the plan for the up-front check against the free
-GPU memory, and each part allocates exactly its own entries through ``Buffers``."""
+weights' and the KV cache's totals); the session merges the tables for the up-front check against the
+free GPU memory, and each part allocates exactly its own entries through ``Buffers``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ class DeviceMemoryError(NanoqwenError):
 
 
 class Buffers:
-    """One device allocation per entry of a plan, reachable as attributes (``bufs.h``)."""
+    """One device allocation per entry of a table, reachable as attributes (``bufs.h``)."""
 
-    def __init__(self, plan: dict[str, int]):
-        self.names = list(plan)
-        for name, nbytes in plan.items():
+    def __init__(self, sizes: dict[str, int]):
+        self.names = list(sizes)
+        for name, nbytes in sizes.items():
             setattr(self, name, driver.DeviceBuffer(nbytes))
 
     def __getitem__(self, name: str):
@@ -31,21 +31,21 @@ class Buffers:
             self[name].free()
 
 
-def plan(**parts) -> dict[str, int]:
-    """One plan from the parts' plans, names prefixed with their part (``decode.h``); an int part is one
-    buffer of that many bytes."""
+def merge(**parts) -> dict[str, int]:
+    """One table from the parts' tables, names prefixed with their part (``decode.h``); an int part is
+    one buffer of that many bytes."""
     out = {}
     for part, p in parts.items():
         out.update({part: p} if isinstance(p, int) else {f"{part}.{name}": b for name, b in p.items()})
     return out
 
 
-def check_fits(plan: dict[str, int], free: int, total: int, gpu: str) -> None:
-    """One line naming the bytes when the plan does not fit the free memory."""
-    need = sum(plan.values())
+def check_fits(sizes: dict[str, int], free: int, total: int, gpu: str) -> None:
+    """One line naming the bytes, per part, when the table does not fit the free memory."""
+    need = sum(sizes.values())
     if need > free:
         parts: dict[str, int] = {}
-        for name, b in plan.items():
+        for name, b in sizes.items():
             parts[name.split(".")[0]] = parts.get(name.split(".")[0], 0) + b
         detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
         raise DeviceMemoryError(f"not enough GPU memory: {need / GiB:.2f} GiB needed ({detail}), "

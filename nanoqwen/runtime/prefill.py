@@ -120,10 +120,10 @@ class Prefiller:
         self.host_tokens.array(np.int32)[:len(tokens)] = tokens
         check(cu.cuMemcpyHtoDAsync(self.bufs.tokens.ptr, self.host_tokens.ptr, 4 * len(tokens),
                                    self.shared.stream.handle), "prefill tokens")
-        plan = chunks(p0, p1, self.chunk_tokens)
-        for c0, n in plan:
+        parts = chunks(p0, p1, self.chunk_tokens)
+        for c0, n in parts:
             self._chunk(c0, n, self.bufs.tokens.ptr + 4 * (c0 - p0))
-        return self.bufs.h.ptr + 4 * self.dims.hidden * (p1 - 1 - plan[-1][0])
+        return self.bufs.h.ptr + 4 * self.dims.hidden * (p1 - 1 - parts[-1][0])
 
     def close(self) -> None:
         self.bufs.free()

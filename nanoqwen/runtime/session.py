@@ -1,5 +1,5 @@
 """The CUDA engine: one model on one GPU, ready to generate. Start-up in the order that fails fastest:
-open and validate the file, check the device and that every buffer of the memory plan fits in its free
+open and validate the file, check the device and that every device buffer (runtime/memory.py) fits in its free
 memory (one line naming the bytes), build (or fetch from the cache) every kernel, upload the weights once,
 allocate the KV pool, then warm up with one request (eager prefill and step) and capture the step graph.
 Reports load time, compile time and cache hits like gpt-fast. ``prefill="chunked"`` (the default) runs
@@ -61,11 +61,11 @@ class CudaSession:
         chunked, chunk = prefill == "chunked", min(cfg.prefill.chunk_tokens, self.context)
         specs = step_specs(d, cfg, props.name) | (prefill_specs(d, cfg) if chunked else {})
         w_bytes = plan(f).nbytes
-        self.memory_plan = memory.plan(weights=w_bytes, kv=layout.total_bytes,
+        self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes,
                                        state=state_mod.buffer_bytes(d, self.context),
                                        decode=decoder_mod.buffer_bytes(d, specs),
                                        **({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context)} if chunked else {}))
-        memory.check_fits(self.memory_plan, props.free_mem, props.total_mem, props.name)
+        memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
         kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
