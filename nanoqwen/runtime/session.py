@@ -61,10 +61,10 @@ class CudaSession:
         chunked, chunk = prefill == "chunked", min(cfg.prefill.chunk_tokens, self.context)
         specs = step_specs(d, cfg, props.name) | (prefill_specs(d, cfg) if chunked else {})
         w_bytes = plan(f).nbytes
+        prefill_bytes = {"prefill": prefill_mod.buffer_bytes(d, chunk, self.context)} if chunked else {}
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes,
-                                       state=state_mod.buffer_bytes(d, self.context),
-                                       decode=decoder_mod.buffer_bytes(d, specs),
-                                       **({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context)} if chunked else {}))
+                                         state=state_mod.buffer_bytes(d, self.context),
+                                         decode=decoder_mod.buffer_bytes(d, specs), **prefill_bytes)
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
