@@ -393,3 +393,40 @@ def test_logits_pairs_and_eviction(nqfile, monkeypatch):
     assert [k.tokens[:3] for k in run.cache.kept.values()] == [other[:3], third[:3]]
     list(run.generate(PROMPT, 2))
     assert run.cached_tokens == 0
+
+
+def test_session_wires_the_parts(nqfile, monkeypatch):
+    """CudaSession on the fake driver (eager, kernels that do nothing): the memory table it checks is
+    what the parts allocate, the KV pool holds kv_tokens, warm-up runs a request and leaves nothing
+    kept, and a GPU without the memory is refused in one line before anything is built."""
+    from nanoqwen.runtime import session as session_mod
+
+    class Props:
+        name, total_mem, free_mem, compute_capability = "Fake H200", 1 << 40, 1 << 40, (9, 0)
+
+    class Fn(FakeFn):
+        def launch(self, launch, stream=None, pdl=False, **args):
+            pass
+
+    fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
+                                     "load": staticmethod(lambda built: Fn(None))})
+    fake_runner(nqfile, monkeypatch)   # the fake driver in the parts' modules
+    monkeypatch.setattr(session_mod, "driver", fake)
+    monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
+    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None: FakeWeights(f))
+    monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
+    s = session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+    d = nqfile.dims
+    assert s.context == 100 and s.kv.layout.num_pages == 20 and s.decoder.graph is None
+    assert not s.runner.cache.kept and s.runner.cache.pool.free == 20
+    parts = {"state": s.state.bufs, "decode": s.decoder.bufs, "prefill": s.prefiller.bufs}
+    allocated = {f"{p}.{n}": b[n].nbytes for p, b in parts.items() for n in b.names}
+    assert {k: v for k, v in s.device_bytes.items() if k not in ("weights", "kv")} == allocated
+    assert s.device_bytes["kv"] == s.kv.layout.total_bytes and s.device_bytes["weights"] == weights_mod.plan(nqfile).nbytes
+    assert s.device_bytes["state.tokens_out"] == 400 and s.device_bytes["decode.h"] == 4 * d.hidden
+    assert len(list(s.generate([1, 2, 3], 4))) == 4 and s.cached_tokens == 0
+    assert len(list(s.generate([1, 2, 3, 4], 2))) == 2 and s.cached_tokens == 3
+    Props.free_mem = sum(s.device_bytes.values()) - 1
+    monkeypatch.setattr(session_mod.codegen, "build_many", lambda *a, **k: pytest.fail("built before the check"))
+    with pytest.raises(memory_mod.DeviceMemoryError, match="not enough GPU memory"):
+        session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
