@@ -128,3 +128,12 @@ def test_random_streams_conserve_pages_and_reuse_only_true_prefixes(reqs, num_pa
         for k in c.kept.values():
             assert len(k.pages) == c.pages_for(len(k.tokens))
         assert sorted(pages_of(c) + c.pool._free) == list(range(num_pages))
+
+
+def test_pages_held_by_a_running_request_are_not_handed_out():
+    c = PrefixCache(num_pages=4, page_size=PAGE)
+    running = c.start([1, 2, 3], total=9)              # 3 pages out
+    with pytest.raises(KVCacheError, match="running request"):
+        c.start([7, 8], total=8)
+    c.keep(running, [1, 2, 3])
+    assert len(c.start([7, 8], total=8).pages) == 2

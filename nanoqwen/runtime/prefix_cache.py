@@ -71,8 +71,9 @@ class PrefixCache:
         """Pages for a request of ``prompt`` that will occupy ``total`` positions, continuing the best
         kept sequence; least recently used sequences are evicted while pages are short."""
         need = self.pages_for(total)
-        if need > self.pool.num_pages:
-            raise KVCacheError(f"KV cache: {total} positions need {need} pages, the pool has {self.pool.num_pages}")
+        if need > self.pool.free + self.kept_pages:
+            raise KVCacheError(f"KV cache: {total} positions need {need} pages; the pool has {self.pool.num_pages}, "
+                               f"{self.pool.free} free and {self.kept_pages} kept (the rest held by a running request)")
         key, L = self.match(prompt)
         pages, payload = [], None
         if key is not None:
@@ -102,5 +103,5 @@ class PrefixCache:
             self.evict()
 
     @property
-    def kept_tokens(self) -> int:
-        return sum(len(k.tokens) for k in self.kept.values())
+    def kept_pages(self) -> int:
+        return sum(len(k.pages) for k in self.kept.values())
