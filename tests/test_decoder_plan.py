@@ -7,8 +7,12 @@ over a fake device whose step is the numpy reference."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoqwen import config, testmodels
 from nanoqwen.nqfile import NanoqwenFile
@@ -19,6 +23,7 @@ from nanoqwen.runtime import prefill as prefill_mod
 from nanoqwen.runtime import state as state_mod
 from nanoqwen.runtime import weights as weights_mod
 from nanoqwen.reference import Reference
+from nanoqwen.reference import Weights as ReferenceWeights
 from nanoqwen.runtime.paged_kv import KVLayout, PageTable
 from nanoqwen.runtime.prefix_cache import PrefixCache
 from nanoqwen.runtime.runner import Runner
@@ -251,24 +256,31 @@ def test_page_table_reservation_covers_request():
 
 
 class FakeDevice:
-    """The numpy reference standing in for the GPU, with the KV pages modelled as the token each
-    (physical page, slot) holds: a step (or fake prefill) at position ``pos`` checks through the loaded
-    page table that positions 0..pos-1 hold the sequence's tokens, so a wrong table or a wrong reuse
-    shows. The reference's own cache holds one sequence: a request that continues it truncates it."""
+    """The numpy reference standing in for the GPU, with paged K/V: each (physical page, slot) holds the
+    token and the per-layer K/V rows written there. A step (or the fake prefill) at position ``pos``
+    loads rows 0..pos-1 into the reference through the loaded page table, so a wrong table, a wrong
+    reuse or a position never written shows as a wrong token or a failed lookup."""
 
     def __init__(self, run, ref):
         self.run, self.ref = run, ref
-        self.pages: dict = {}        # (physical page, slot) -> token
-        self.history: list = []      # the reference's tokens, by position
+        self.pages: dict = {}        # (physical page, slot) -> (token, K rows, V rows)
+        self.history: list = []      # the running sequence's tokens, by position
         self.fed: list = []          # every token a step or prefill embedded
 
-    def write(self, pos: int, tokens) -> None:
-        kv = self.run.shared.kv
-        assert pos <= self.ref.pos and self.history[:pos] == [self.pages.get(kv.locate(q)) for q in range(pos)], \
-            f"the pages do not hold the sequence's first {pos} tokens"
-        self.ref.pos, self.history = pos, self.history[:pos]
-        for j, t in enumerate(tokens):
-            self.pages[kv.locate(pos + j)] = t
+    def load(self, pos: int) -> None:
+        kv, ref = self.run.shared.kv, self.ref
+        missing = [q for q in range(pos) if kv.locate(q) not in self.pages]
+        assert not missing, f"positions {missing[:5]} were never written"
+        rows = [self.pages[kv.locate(q)] for q in range(pos)]
+        for i in range(ref.dims.layers if rows else 0):
+            for cache, j in ((ref.k_cache[i], 1), (ref.v_cache[i], 2)):
+                cache[:pos] = np.stack([r[j][i] for r in rows])
+        ref.pos, self.history = pos, [r[0] for r in rows]
+
+    def store(self, pos: int, tokens) -> None:
+        kv, ref = self.run.shared.kv, self.ref
+        for q, t in enumerate(tokens, start=pos):
+            self.pages[kv.locate(q)] = (t, [c[q].copy() for c in ref.k_cache], [c[q].copy() for c in ref.v_cache])
         self.history += list(tokens)
         self.fed += list(tokens)
 
@@ -283,15 +295,18 @@ class FakeDevice:
     def step(self, stream=None):
         tok, pos, k = (int(x) for x in self.run.shared.bufs.state.mem.view(np.int32)[:3])
         assert pos == k, f"device state {(tok, pos, k)}"
-        self.write(pos, [tok])
-        self.finish(self.ref.decode(tok), k)
+        self.load(pos)
+        logits = self.ref.decode(tok)
+        self.store(pos, [tok])
+        self.finish(logits, k)
 
     def prefill(self, tokens, p0):
         """The Prefiller's effect (K/V of [p0, p1)) with the reference's batched prefill; the row it
         returns is the logits, for the fake lm_head."""
-        self.write(p0, tokens)
-        self.ref.pos = p0
-        return self.ref.extend(tokens)[-1]
+        self.load(p0)
+        logits = self.ref.extend(tokens)[-1]
+        self.store(p0, tokens)
+        return logits
 
     def lm_head(self, logits):
         st = self.run.shared.bufs.state.mem.view(np.int32)
@@ -430,3 +445,48 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda *a, **k: pytest.fail("built before the check"))
     with pytest.raises(memory_mod.DeviceMemoryError, match="not enough GPU memory"):
         session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+
+
+requests = st.lists(st.tuples(st.integers(0, 2),                       # which base text
+                              st.integers(1, 30),                      # how much of it
+                              st.lists(st.integers(0, 511), max_size=3),   # then these tokens
+                              st.integers(1, 10),                      # max_new_tokens
+                              st.integers(1, 10)),                     # tokens read before closing
+                    min_size=1, max_size=6)
+BASES = [PROMPT + PROMPT[::-1], [300, 301, 302] * 10, PROMPT[:5] + [9] * 25]
+
+
+@given(requests, st.sampled_from([1, 3, 8]), st.sampled_from([None, 160]))
+@settings(max_examples=25)
+def test_random_request_streams_on_the_fake_device(nqfile, reqs, ahead, kv_tokens):
+    """Random streams of requests sharing prefixes, closed early or not, in a pool of one or several
+    sequences: every token equals a cold token-by-token reference generation (the fake device's K/V of
+    a reused prefix came from the same computations, so equality is exact), the pages the steps read
+    hold the sequence's tokens (FakeDevice.write), and no page is lost."""
+    with pytest.MonkeyPatch.context() as mp:
+        run, dev = fake_device(nqfile, mp, Reference(tiny_weights(nqfile), max_seq=64), capacity=48, ahead=ahead,
+                               kv_tokens=kv_tokens)
+        for base, cut, extra, new, read in reqs:
+            prompt = (BASES[base][:cut] + extra)[:40]
+            new = min(new, 48 - len(prompt) + 1)
+            it = run.generate(prompt, new)
+            got = [tok for tok, _ in zip(it, range(min(read, new)))]
+            it.close()
+            assert run.cached_tokens <= len(prompt) - 1
+            assert got == cold_greedy(nqfile, tuple(prompt), new)[:len(got)]
+            c = run.cache
+            assert c.pool.free + c.kept_pages == c.pool.num_pages
+
+
+@functools.cache
+def tiny_weights(nqfile):
+    return ReferenceWeights.from_file(nqfile)
+
+
+@functools.cache
+def cold_greedy(nqfile, prompt: tuple, n: int) -> list[int]:
+    """Token-by-token greedy generation from an empty cache (the fake device's numerics)."""
+    cold = Reference(tiny_weights(nqfile), max_seq=64)
+    for t in prompt:
+        logits = cold.decode(t)
+    return reference_generation(cold, logits, n, Sampling())
