@@ -49,7 +49,6 @@ class ReferenceEngine:
         self.cache = PrefixCache(-(-kv_tokens // page), page)
         self.ref = Reference(Weights.from_file(f), max_seq=self.context)
         self.cached_tokens = 0
-        self._busy = False
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                  logits: bool = False):
@@ -57,32 +56,23 @@ class ReferenceEngine:
         return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
 
     def _run(self, prompt, max_new_tokens, sampling, logits):
-        if self._busy:
-            raise NanoqwenError("the engine runs one request at a time: close the previous token stream first")
-        ref, P = self.ref, len(prompt)
-        lease = self.cache.start(prompt, P + max_new_tokens - 1)
-        self._busy, self.cached_tokens = True, lease.reused
-        sample, gen, ok = HostSampler(sampling), [], False
-        try:
+        ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling), []
+        with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
+            self.cached_tokens = lease.reused
             if lease.reused:
                 ref.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
             else:
                 ref.reset()
-            row = ref.extend(prompt[lease.reused:])[-1]
-            for i in range(max_new_tokens):
-                gen.append(sample(row))
-                yield (gen[-1], row.copy()) if logits else gen[-1]
-                if i + 1 < max_new_tokens:
-                    row = ref.decode(gen[-1])
-            ok = True
-        except GeneratorExit:
-            ok = True
-            raise
-        finally:
-            kept = prompt + gen[:ref.pos - P] if ok else []
-            kv = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)] if kept else None
-            self.cache.keep(lease, kept, kv)
-            self._busy = False
+            try:
+                row = ref.extend(prompt[lease.reused:])[-1]
+                for i in range(max_new_tokens):
+                    gen.append(sample(row))
+                    yield (gen[-1], row.copy()) if logits else gen[-1]
+                    if i + 1 < max_new_tokens:
+                        row = ref.decode(gen[-1])
+            finally:   # positions 0..pos-1 have their K/V, however the request ended
+                lease.tokens = (prompt + gen)[:ref.pos]
+                lease.payload = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)]
 
     def close(self) -> None:
         self.cache.clear()

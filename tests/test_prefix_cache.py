@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nanoqwen import NanoqwenError
 from nanoqwen.runtime.paged_kv import KVCacheError
 from nanoqwen.runtime.prefix_cache import PrefixCache, common_prefix
 
@@ -137,3 +138,19 @@ def test_pages_held_by_a_running_request_are_not_handed_out():
         c.start([7, 8], total=8)
     c.keep(running, [1, 2, 3])
     assert len(c.start([7, 8], total=8).pages) == 2
+
+
+def test_request_keeps_what_the_engine_set_one_at_a_time():
+    c = PrefixCache(num_pages=4, page_size=PAGE)
+    with c.request([1, 2, 3], total=6) as lease:
+        with pytest.raises(NanoqwenError, match="one request at a time"):
+            with c.request([4], total=1):
+                pass
+        lease.tokens, lease.payload = [1, 2, 3, 4], "kv"
+    (k,) = c.kept.values()
+    assert (k.tokens, k.payload, c.running) == ([1, 2, 3, 4], "kv", False)
+    with pytest.raises(RuntimeError):
+        with c.request([1, 2, 3, 4, 5], total=6) as lease:
+            assert lease.reused == 4 and lease.payload == "kv"
+            raise RuntimeError("the device failed")          # tokens never set: nothing is kept
+    assert not c.kept and c.pool.free == 4 and not c.running

@@ -16,8 +16,10 @@ every generated token that was fed back."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
+from .. import NanoqwenError
 from .paged_kv import KVCacheError, PagePool
 
 
@@ -41,10 +43,12 @@ class Kept:
 @dataclass
 class Lease:
     """A running request's sequence: ``reused`` leading positions hold valid K/V, ``pages`` map every
-    position the request may write."""
+    position the request may write. The engine sets ``tokens`` (and its ``payload``) to what may be kept
+    once it knows them good."""
     reused: int
     pages: list[int]
-    payload: object = None     # the payload of the kept sequence it continues
+    payload: object = None     # the continued sequence's payload at the start, the engine's at the end
+    tokens: list[int] = field(default_factory=list)
 
 
 class PrefixCache:
@@ -53,6 +57,7 @@ class PrefixCache:
         self.page_size = page_size
         self.kept: OrderedDict[int, Kept] = OrderedDict()   # least recently used first
         self._next = 0
+        self.running = False
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -83,6 +88,20 @@ class PrefixCache:
         while self.pool.free < need - len(pages):
             self.evict()
         return Lease(L, pages + self.pool.take(need - len(pages)), payload)
+
+    @contextmanager
+    def request(self, prompt: list[int], total: int):
+        """One request at a time (batch 1): ``start`` its lease, and at the end, however it ends, keep
+        ``lease.tokens``; a request that failed leaves them empty and keeps nothing."""
+        if self.running:
+            raise NanoqwenError("the engine runs one request at a time: close the previous token stream first")
+        lease = self.start(prompt, total)
+        self.running = True
+        try:
+            yield lease
+        finally:
+            self.running = False
+            self.keep(lease, lease.tokens, lease.payload)
 
     def evict(self) -> None:
         """Drop the least recently used kept sequence."""

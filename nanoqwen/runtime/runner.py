@@ -16,7 +16,6 @@ token the host knows. A request that fails keeps nothing."""
 
 from __future__ import annotations
 
-from .. import NanoqwenError
 from .generate import check_request
 from .prefill import by_steps
 from .prefix_cache import PrefixCache
@@ -31,7 +30,6 @@ class Runner:
         self.shared, self.decoder, self.prefiller, self.cache = shared, decoder, prefiller, cache
         self.dims, self.context, self.ahead = shared.dims, context, ahead
         self.cached_tokens = 0
-        self._busy = False
 
     def prefill(self, tokens: list[int], p0: int, read_token: bool = False, read_logits: bool = False) -> None:
         """Positions [p0, p1) of the loaded sequence (p1 = p0 + len(tokens); positions before p0 hold
@@ -63,44 +61,35 @@ class Runner:
         return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
 
     def _run(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, logits: bool):
-        if self._busy:
-            raise NanoqwenError("the engine runs one request at a time: close the previous token stream first")
         sh, dec = self.shared, self.decoder
         P, total = len(prompt), len(prompt) + max_new_tokens - 1
         greedy, host = sampling.greedy, logits or not sampling.greedy
         sample = HostSampler(sampling)
-        lease = self.cache.start(prompt, total)
-        self._busy = True
-        self.cached_tokens = lease.reused
-        launched, gen, clean = lease.reused, [], False   # positions the enqueued work writes
-        try:
-            sh.drain()   # the previous request's work is done before its table is replaced
-            sh.kv.load(lease.pages, sh.stream)
-            self.prefill(prompt[lease.reused:], lease.reused, read_token=greedy, read_logits=host)
-            launched = P
-            for k in range(P - 1, total):
-                if host and k >= launched:
-                    dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
-                    launched += 1
-                while not host and launched < min(total, k + 1 + self.ahead):
-                    dec.step(launched, read_token=True)
-                    launched += 1
-                sh.wait_step(k)
-                row = sh.logits() if host else None
-                gen.append(int(sh.tok_out[k]) if greedy else sample(row))
-                yield (gen[-1], row) if logits else gen[-1]
-            clean = True
-        except GeneratorExit:   # closed early: the steps launched ahead still drain
-            clean = True
-            raise
-        finally:
-            kept = []
+        with self.cache.request(prompt, total) as lease:
+            self.cached_tokens = lease.reused
+            launched, gen, clean = lease.reused, [], False   # positions the enqueued work writes
             try:
-                sh.drain()
-                if clean:
-                    sh.check_errors()
-                    fed = sh.tok_out[P - 1:launched - 1].tolist() if greedy else gen[:launched - P]
-                    kept = prompt + fed
+                sh.drain()   # the previous request's work is done before its table is replaced
+                sh.kv.load(lease.pages, sh.stream)
+                self.prefill(prompt[lease.reused:], lease.reused, read_token=greedy, read_logits=host)
+                launched = P
+                for k in range(P - 1, total):
+                    if host and k >= launched:
+                        dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
+                        launched += 1
+                    while not host and launched < min(total, k + 1 + self.ahead):
+                        dec.step(launched, read_token=True)
+                        launched += 1
+                    sh.wait_step(k)
+                    row = sh.logits() if host else None
+                    gen.append(int(sh.tok_out[k]) if greedy else sample(row))
+                    yield (gen[-1], row) if logits else gen[-1]
+                clean = True
+            except GeneratorExit:   # closed early: the steps launched ahead still drain
+                clean = True
+                raise
             finally:
-                self.cache.keep(lease, kept)
-                self._busy = False
+                sh.drain()
+                if clean:   # the kernels' error flags, unless another error is already on its way out
+                    sh.check_errors()
+                    lease.tokens = prompt + (sh.tok_out[P - 1:launched - 1].tolist() if greedy else gen[:launched - P])
