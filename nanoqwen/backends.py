@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import NanoqwenError
 from .runtime.generate import check_request
+from .runtime.prefix_cache import PrefixCache
 from .runtime.sampler import HostSampler, Sampling
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -27,34 +28,63 @@ def cuda_available() -> bool:
 
 
 class ReferenceEngine:
-    """The numpy INT4 simulation behind the same ``generate`` iterator as the CUDA engine."""
+    """The numpy INT4 simulation behind the same engine contract as the CUDA engine, prefix reuse
+    included: the same policy (runtime/prefix_cache.py) over a pool of ``kv_tokens`` positions in pages of
+    the config's size; a kept sequence carries its K/V rows, copied back into the simulation when a
+    request continues it."""
 
     name = "reference (numpy INT4 simulation, CPU)"
 
-    def __init__(self, path: str | Path, context: int, verify: bool = True):
+    def __init__(self, path: str | Path, context: int, kv_tokens: int | None = None, verify: bool = True):
+        from .config import default
         from .nqfile import NanoqwenFile
         from .reference import Fp32Weights, Reference
 
         f = NanoqwenFile(path)
         if verify:
             f.verify()
-        self.dims, self.context = f.dims, context
-        self.ref = Reference(Fp32Weights.from_file(f), max_seq=context)
+        self.dims, self.context = f.dims, min(int(context), f.dims.max_positions)
+        kv_tokens = self.context if kv_tokens is None else int(kv_tokens)
+        if kv_tokens < self.context:
+            raise NanoqwenError(f"kv_tokens ({kv_tokens}) must hold at least one request of {self.context} tokens")
+        page = default().kv_cache.page_size
+        self.cache = PrefixCache(-(-kv_tokens // page), page)
+        self.ref = Reference(Fp32Weights.from_file(f), max_seq=self.context)
+        self.cached_tokens = 0
 
-    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling):
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 logits: bool = False):
         check_request(self.dims, prompt, max_new_tokens, self.context)
-        sample = HostSampler(sampling)
-        logits = self.ref.prefill(prompt)[-1]
-        for i in range(max_new_tokens):
-            tok = sample(logits)
-            yield tok
-            if i + 1 < max_new_tokens:
-                logits = self.ref.decode(tok)
+        return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
+
+    def _run(self, prompt, max_new_tokens, sampling, logits):
+        ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling), []
+        with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
+            self.cached_tokens = lease.reused
+            if lease.reused:
+                ref.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
+            else:
+                ref.reset()
+            try:
+                row = ref.extend(prompt[lease.reused:])[-1]
+                for i in range(max_new_tokens):
+                    gen.append(sample(row))
+                    yield (gen[-1], row.copy()) if logits else gen[-1]
+                    if i + 1 < max_new_tokens:
+                        row = ref.decode(gen[-1])
+            finally:   # positions 0..pos-1 have their K/V, however the request ended
+                lease.tokens = (prompt + gen)[:ref.pos]
+                lease.payload = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)]
+
+    def close(self) -> None:
+        self.cache.clear()
 
 
-def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None, verify: bool = True):
-    """An engine for the .nanoqwen file ``path`` with a KV cache of ``context`` tokens; ``verify`` checks every
-    payload's checksum while loading (a corrupt file is an error naming the file and the tensor)."""
+def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None,
+                kv_tokens: int | None = None, verify: bool = True):
+    """An engine for the .nanoqwen file ``path`` taking requests of up to ``context`` tokens, keeping
+    recent sequences for prefix reuse in a KV pool of ``kv_tokens`` (default ``context``); ``verify`` checks
+    every payload's checksum while loading (a corrupt file is an error naming the file and the tensor)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if backend not in BACKENDS:
         raise NanoqwenError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -63,8 +93,8 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
         if backend == "reference":
             log("no CUDA device found: running the numpy reference backend on the CPU (slow)")
     if backend == "reference":
-        return ReferenceEngine(path, context, verify)
+        return ReferenceEngine(path, context, kv_tokens, verify)
     if not cuda_available():
         raise NanoqwenError("--backend cuda: no CUDA device available (no driver, or no GPU visible)")
     from .runtime.session import CudaSession
-    return CudaSession(path, context, eager=eager, log=log, verify=verify)
+    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify)

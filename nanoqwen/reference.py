@@ -309,6 +309,14 @@ class Reference:
     def kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         return self.k_cache[layer][:self.pos], self.v_cache[layer][:self.pos]
 
+    def resume(self, k: list[np.ndarray], v: list[np.ndarray]) -> None:
+        """Continue a sequence whose first n positions' K/V are given per layer ([n, kv_heads, head_dim],
+        as ``kv`` returns them): the next ``extend`` starts at position n."""
+        n = len(k[0])
+        for i in range(self.dims.layers):
+            self.k_cache[i][:n], self.v_cache[i][:n] = k[i], v[i]
+        self.pos = n
+
     def extend(self, tokens, trace: dict | None = None) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         d, w = self.dims, self.w

@@ -1,20 +1,32 @@
 """CPU checks of the decode runtime's wiring, no GPU: the weight layout (q/k/v stacked back to back, every
-region aligned, nothing overlapping), and the decoder's launch sequence against every kernel's
-signature, with a fake driver whose buffers are address ranges (so every pointer argument is checked
-to land inside the buffer or weight region it names)."""
+region aligned, nothing overlapping), the device memory table against what the parts allocate, the decoder's
+launch sequence against every kernel's signature, with a fake driver whose buffers are address ranges
+(so every pointer argument is checked to land inside the buffer or weight region it names), and the
+Runner's request loop (launch-ahead, sampling feed, early close, prefix reuse through the page table)
+over a fake device whose step is the numpy reference."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoqwen import config, testmodels
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
 from nanoqwen.runtime import decoder as decoder_mod
+from nanoqwen.runtime import memory as memory_mod
+from nanoqwen.runtime import prefill as prefill_mod
+from nanoqwen.runtime import state as state_mod
 from nanoqwen.runtime import weights as weights_mod
 from nanoqwen.reference import Reference
+from nanoqwen.reference import Weights as ReferenceWeights
 from nanoqwen.runtime.paged_kv import KVLayout, PageTable
+from nanoqwen.runtime.prefix_cache import PrefixCache
+from nanoqwen.runtime.runner import Runner
 from nanoqwen.runtime.sampler import HostSampler, Sampling
 
 
@@ -53,14 +65,12 @@ class FakeBuf:
         self.mem = np.zeros(self.nbytes, np.uint8)
         MEM.append(self)
 
-    @classmethod
-    def from_array(cls, arr):
-        b = cls(arr.nbytes)
-        b.mem[:] = np.ascontiguousarray(arr).view(np.uint8).ravel()
-        return b
-
     def memset_u32(self, v, stream=None):
         self.mem.view(np.uint32)[:] = v
+
+    def upload(self, arr, stream=None):
+        raw = np.ascontiguousarray(arr).view(np.uint8).ravel()
+        self.mem[:raw.size] = raw
 
     def array(self, dtype, shape=None):
         return self.mem.view(dtype)
@@ -70,9 +80,6 @@ class FakeBuf:
         return out
 
     def free(self):
-        pass
-
-    def close(self):
         pass
 
 
@@ -88,7 +95,7 @@ def at(ptr: int, n: int) -> np.ndarray:
 
 
 class FakeCu:
-    """The few driver calls the decoder makes itself; copies execute at once (a synchronous GPU)."""
+    """The few driver calls the runtime makes itself; copies execute at once (a synchronous GPU)."""
     from nanoqwen.runtime.driver import cu as _real
     CUresult = _real.CUresult if _real is not None else None
 
@@ -109,6 +116,8 @@ class FakeCu:
     @classmethod
     def cuEventQuery(cls, handle):
         return cls._ok()
+
+
 class FakeFn:
     def __init__(self, spec):
         self.spec = spec
@@ -144,17 +153,22 @@ class FakeWeights:
 
 
 class FakeKV:
-    def release(self):
-        self.reserved = 0
-
-    def reserve(self, n):
-        self.reserved = n
+    """The pools and the device page table; ``load`` records the page list the table now shows."""
 
     def __init__(self, layout):
         self.layout = layout
         self.k = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.v = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.page_table = FakeBuf(layout.table_bytes)
+        self.pages = []
+
+    def load(self, pages, stream):
+        assert len(pages) <= self.layout.table_len
+        self.pages = list(pages)
+
+    def locate(self, pos):
+        assert pos // self.layout.page_size < len(self.pages), f"position {pos} is on no loaded page"
+        return self.pages[pos // self.layout.page_size], pos % self.layout.page_size
 
     def k_ptr(self, i):
         return self.k[i].ptr
@@ -163,26 +177,37 @@ class FakeKV:
         return self.v[i].ptr
 
 
-def fake_decoder(nqfile, monkeypatch, capacity=100, **kw):
+def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambda role, spec: FakeFn(spec),
+                kv_tokens=None) -> Runner:
+    """The CUDA engine's parts on the fake driver: a SequenceState, a Decoder, a Prefiller when ``chunk``
+    is given (else by_steps), and the Runner over them; ``fn(role, spec)`` makes each kernel."""
     cfg = config.default()
     d = nqfile.dims
-    monkeypatch.setattr(decoder_mod, "driver", FakeDriver)
-    monkeypatch.setattr(decoder_mod, "cu", FakeCu)
-    specs = decoder_mod.step_specs(d, cfg)
-    kernels = {role: (spec, FakeFn(spec)) for role, spec in specs.items()}
-    layout = KVLayout.for_model(d, cfg, capacity)
-    w, kv = FakeWeights(nqfile), FakeKV(layout)
+    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod):
+        monkeypatch.setattr(mod, "driver", FakeDriver)
+    for mod in (state_mod, decoder_mod, prefill_mod):
+        monkeypatch.setattr(mod, "cu", FakeCu)
+    specs = decoder_mod.step_specs(d, cfg) | (prefill_mod.prefill_specs(d, cfg) if chunk else {})
+    kernels = {role: (spec, fn(role, spec)) for role, spec in specs.items()}
+    layout = KVLayout.for_model(d, cfg, capacity, kv_tokens)
     rope = (np.zeros((capacity, d.head_dim // 2), np.float32),) * 2
-    return decoder_mod.Decoder(d, w, kv, kernels, rope, capacity, **kw), w, kv, kernels
+    shared = state_mod.SequenceState(d, FakeWeights(nqfile), FakeKV(layout), rope, capacity, slots=ahead + 2)
+    pre = prefill_mod.Prefiller(shared, kernels, chunk) if chunk else None
+    cache = PrefixCache(layout.num_pages, layout.page_size)
+    return Runner(shared, decoder_mod.Decoder(shared, kernels), pre, cache, capacity, ahead)
 
 
 def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     d = nqfile.dims
-    dec, w, kv, kernels = fake_decoder(nqfile, monkeypatch)
+    run = fake_runner(nqfile, monkeypatch)
+    dec, sh = run.decoder, run.shared
+    w, kv = sh.weights, sh.kv
+    kernels = dec.kernels
     roles = [role for role, *_ in dec.sequence]
     per_layer = ["qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up", "down"]
     assert roles == ["embed"] + per_layer * d.layers + ["lm_head"]
-    buffers = [v for v in vars(dec).values() if isinstance(v, FakeBuf)] + [w.base, kv.page_table, *kv.k, *kv.v]
+    buffers = [dec.bufs[n] for n in dec.bufs.names] + [sh.bufs[n] for n in sh.bufs.names] + \
+        [w.base, kv.page_table, *kv.k, *kv.v]
     for role, fn, launch, args in dec.sequence:
         spec = kernels[role][0]
         assert launch == spec.launch()
@@ -200,8 +225,28 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     assert (gu["w0"], gu["w1"]) == (w.ptr("L0.gate.packed"), w.ptr("L0.up.packed"))
 
 
+def test_memory_table_is_what_the_parts_allocate(nqfile, monkeypatch):
+    """The up-front check and the allocation read the same tables: every part allocates exactly its
+    entries, and the merged table is all of them (plus the weights and the KV cache)."""
+    d, cfg = nqfile.dims, config.default()
+    run = fake_runner(nqfile, monkeypatch, capacity=100, chunk=32)
+    specs = {r: s for r, (s, _fn) in run.decoder.kernels.items()}
+    parts = {"state": (run.shared.bufs, state_mod.buffer_bytes(d, 100)),
+             "decode": (run.decoder.bufs, decoder_mod.buffer_bytes(d, specs)),
+             "prefill": (run.prefiller.bufs, prefill_mod.buffer_bytes(d, 32, 100))}
+    for part, (bufs, want) in parts.items():
+        assert {n: bufs[n].nbytes for n in bufs.names} == want, part
+    lay = KVLayout.for_model(d, cfg, 100)
+    p = memory_mod.merge(weights=1000, kv=lay.total_bytes, **{k: v for k, (_b, v) in parts.items()})
+    assert sum(p.values()) == 1000 + lay.total_bytes + sum(sum(v.values()) for _b, v in parts.values())
+    assert p["decode.h"] == 4 * d.hidden and p["state.tokens_out"] == 400 and p["prefill.tokens"] == 400
+    memory_mod.check_fits(p, free=sum(p.values()), total=1 << 40, gpu="fake")
+    with pytest.raises(memory_mod.DeviceMemoryError, match=r"GiB needed \(weights"):
+        memory_mod.check_fits({**p, "weights": 1 << 40}, free=1 << 39, total=1 << 40, gpu="fake")
+
+
 def test_page_table_reservation_covers_request():
-    """What Decoder.generate reserves (prompt + max_new_tokens - 1 positions) maps every page it writes."""
+    """A request of prompt + max_new_tokens - 1 positions maps every page it writes."""
     d = testmodels.tiny_dims()
     layout = KVLayout.for_model(d, config.default(), 40)
     pt = PageTable(layout)
@@ -210,21 +255,73 @@ def test_page_table_reservation_covers_request():
         assert pt.locate(pos)[0] >= 0
 
 
-def reference_step(dec, ref, fed: list):
-    """A stand-in for one decode step on the fake device: the reference decodes the token in the
-    device state, writes logits, tokens_out and the advanced state as lm_head_argmax would, and records
-    the token it was fed."""
-    def step(stream=None):
-        state = dec.state.mem.view(np.int32)
-        tok, pos, k = (int(x) for x in state[:3])
-        assert pos == ref.pos == k, f"device state {state[:3]} vs reference position {ref.pos}"
-        assert dec.kv.reserved > pos, "a step ran on a position that has no reserved page"
-        logits = ref.decode(tok)
-        dec.logits.mem.view(np.float32)[:] = logits
-        dec.tokens_out.mem.view(np.int32)[k] = int(np.argmax(logits))
-        state[:3] = (int(np.argmax(logits)), pos + 1, k + 1)
-        fed.append(tok)
-    return step
+class FakeDevice:
+    """The numpy reference standing in for the GPU, with paged K/V: each (physical page, slot) holds the
+    token and the per-layer K/V rows written there. A step (or the fake prefill) at position ``pos``
+    loads rows 0..pos-1 into the reference through the loaded page table, so a wrong table, a wrong
+    reuse or a position never written shows as a wrong token or a failed lookup."""
+
+    def __init__(self, run, ref):
+        self.run, self.ref = run, ref
+        self.pages: dict = {}        # (physical page, slot) -> (token, K rows, V rows)
+        self.history: list = []      # the running sequence's tokens, by position
+        self.fed: list = []          # every token a step or prefill embedded
+
+    def load(self, pos: int) -> None:
+        kv, ref = self.run.shared.kv, self.ref
+        missing = [q for q in range(pos) if kv.locate(q) not in self.pages]
+        assert not missing, f"positions {missing[:5]} were never written"
+        rows = [self.pages[kv.locate(q)] for q in range(pos)]
+        for i in range(ref.dims.layers if rows else 0):
+            for cache, j in ((ref.k_cache[i], 1), (ref.v_cache[i], 2)):
+                cache[:pos] = np.stack([r[j][i] for r in rows])
+        ref.pos, self.history = pos, [r[0] for r in rows]
+
+    def store(self, pos: int, tokens) -> None:
+        kv, ref = self.run.shared.kv, self.ref
+        for q, t in enumerate(tokens, start=pos):
+            self.pages[kv.locate(q)] = (t, [c[q].copy() for c in ref.k_cache], [c[q].copy() for c in ref.v_cache])
+        self.history += list(tokens)
+        self.fed += list(tokens)
+
+    def finish(self, logits, step: int) -> None:
+        """What lm_head_argmax does: logits, tokens_out[step], state advance."""
+        b = self.run.shared.bufs
+        tok = int(np.argmax(logits))
+        b.logits.mem.view(np.float32)[:] = logits
+        b.tokens_out.mem.view(np.int32)[step] = tok
+        b.state.mem.view(np.int32)[:3] = (tok, step + 1, step + 1)
+
+    def step(self, stream=None):
+        tok, pos, k = (int(x) for x in self.run.shared.bufs.state.mem.view(np.int32)[:3])
+        assert pos == k, f"device state {(tok, pos, k)}"
+        self.load(pos)
+        logits = self.ref.decode(tok)
+        self.store(pos, [tok])
+        self.finish(logits, k)
+
+    def prefill(self, tokens, p0):
+        """The Prefiller's effect (K/V of [p0, p1)) with the reference's batched prefill; the row it
+        returns is the logits, for the fake lm_head."""
+        self.load(p0)
+        logits = self.ref.extend(tokens)[-1]
+        self.store(p0, tokens)
+        return logits
+
+    def lm_head(self, logits):
+        st = self.run.shared.bufs.state.mem.view(np.int32)
+        assert st[1] == st[2], "the lm_head after a prefill runs as step p1 - 1 at position p1 - 1"
+        self.finish(logits, int(st[2]))
+
+
+def fake_device(nqfile, monkeypatch, ref, batched_prefill=False, **kw):
+    run = fake_runner(nqfile, monkeypatch, chunk=512 if batched_prefill else None, **kw)
+    dev = FakeDevice(run, ref)
+    monkeypatch.setattr(run.decoder, "launch_kernels", dev.step)
+    if batched_prefill:
+        run.prefiller = dev.prefill
+        monkeypatch.setattr(run.decoder, "lm_head", dev.lm_head)
+    return run, dev
 
 
 def reference_generation(ref, logits, n: int, sampling) -> list[int]:
@@ -237,30 +334,159 @@ def reference_generation(ref, logits, n: int, sampling) -> list[int]:
     return want
 
 
+PROMPT = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
 @pytest.mark.parametrize("ahead", [1, 8])
 def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
-    """Decoder.generate's host side (prefill feeding, launch-ahead, pinned read-back, sampling feed,
-    early close) over a fake device whose "step" is the numpy reference reading and advancing the
-    device state exactly as the kernels do. Its tokens must be the reference's own generation."""
-    dec, *_ = fake_decoder(nqfile, monkeypatch, ahead=ahead)
+    """The Runner's host side (prefill feeding, launch-ahead, pinned read-back, sampling feed, early
+    close) over the fake device with prefill through the decode step. Its tokens must be the
+    reference's own generation, and a request that repeats the prompt reuses all but its last token."""
     ref = Reference.from_file(nqfile, max_seq=100)
-    steps = []
-    monkeypatch.setattr(dec, "launch_kernels", reference_step(dec, ref, steps))
-    prompt = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    run, dev = fake_device(nqfile, monkeypatch, ref, ahead=ahead)
+    check = Reference.from_file(nqfile, max_seq=100)
     for n in (1, 2, 12):
-        ref.reset()
-        steps.clear()
-        got = list(dec.generate(prompt, n, sampling))
-        ref.reset()
-        for t in prompt:  # token by token, like the fake device: batched prefill rounds differently
-            logits = ref.decode(t)
-        want = reference_generation(ref, logits, n, sampling)
-        assert got == want
-        assert steps == prompt + want[:-1], "the device was fed something other than prompt + generated"
-    # closing early: the steps launched ahead stay bounded by the request
-    ref.reset()
-    it = dec.generate(prompt, 12, sampling)
-    next(it)
+        run.cache.clear()
+        dev.fed.clear()
+        got = list(run.generate(PROMPT, n, sampling))
+        for t in PROMPT:  # token by token, like the fake device: batched prefill rounds differently
+            logits = check.decode(t)
+        want = reference_generation(check, logits, n, sampling)
+        check.reset()
+        assert got == want and run.cached_tokens == 0
+        assert dev.fed == PROMPT + want[:-1], "the device was fed something other than prompt + generated"
+        (kept,) = run.cache.kept.values()
+        assert kept.tokens == PROMPT + want[:-1]
+    # the same prompt again: only its last token is recomputed
+    dev.fed.clear()
+    assert list(run.generate(PROMPT, 12, sampling)) == want
+    assert run.cached_tokens == len(PROMPT) - 1 and dev.fed == PROMPT[-1:] + want[:-1]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
+@pytest.mark.parametrize("ahead", [1, 8])
+def test_close_keeps_what_was_computed(nqfile, monkeypatch, sampling, ahead):
+    """Closing after the third token: the steps launched ahead drain, and the kept sequence is exactly
+    the positions whose K/V was written, with their tokens; the next request continues it correctly."""
+    ref = Reference.from_file(nqfile, max_seq=100)
+    run, dev = fake_device(nqfile, monkeypatch, ref, ahead=ahead)
+    full = list(run.generate(PROMPT, 12, sampling))
+    run.cache.clear()
+    it = run.generate(PROMPT, 12, sampling)
+    first = [next(it) for _ in range(3)]
     it.close()
-    assert len(prompt) <= ref.pos <= len(prompt) + (ahead if sampling.greedy else 0)
+    assert first == full[:3]
+    (kept,) = run.cache.kept.values()
+    written = ref.pos
+    assert len(PROMPT) + 2 <= written <= len(PROMPT) + (2 + ahead if sampling.greedy else 2)
+    assert kept.tokens == PROMPT + full[:written - len(PROMPT)] == dev.history
+    assert run.cache.pool.free + len(kept.pages) == run.cache.pool.num_pages
+    # continue the conversation: prompt + the three tokens seen + more
+    q = PROMPT + first + [11, 12]
+    got = list(run.generate(q, 5, Sampling()))
+    assert run.cached_tokens == min(written, len(PROMPT) + 3)
+    cold = Reference.from_file(nqfile, max_seq=100)
+    for t in q:
+        logits = cold.decode(t)
+    assert got == reference_generation(cold, logits, 5, Sampling())
+
+
+def test_logits_pairs_and_eviction(nqfile, monkeypatch):
+    """logits=True yields (token, logits copy) on the greedy path without changing the tokens; a pool
+    of two sequences evicts the least recently used one."""
+    ref = Reference.from_file(nqfile, max_seq=100)
+    run, dev = fake_device(nqfile, monkeypatch, ref, capacity=48, kv_tokens=96)
+    plain = list(run.generate(PROMPT, 6))
+    pairs = list(run.generate(PROMPT, 6, logits=True))
+    assert [t for t, _ in pairs] == plain and all(int(np.argmax(r)) == t for t, r in pairs)
+    assert len({id(r) for _, r in pairs}) == len(pairs) and pairs[0][1].dtype == np.float32
+    other, third = [1, 2, 3] * 5, [400, 401] * 10
+    list(run.generate(other, 30))                      # 2 + 3 of 6 pages: both kept
+    assert len(run.cache.kept) == 2
+    list(run.generate(third, 20))                      # 3 pages: the oldest (PROMPT) goes
+    assert [k.tokens[:3] for k in run.cache.kept.values()] == [other[:3], third[:3]]
+    list(run.generate(PROMPT, 2))
+    assert run.cached_tokens == 0
+
+
+def test_session_wires_the_parts(nqfile, monkeypatch):
+    """CudaSession on the fake driver (eager, kernels that do nothing): the memory table it checks is
+    what the parts allocate, the KV pool holds kv_tokens, warm-up runs a request and leaves nothing
+    kept, and a GPU without the memory is refused in one line before anything is built."""
+    from nanoqwen.runtime import session as session_mod
+
+    class Props:
+        name, total_mem, free_mem, compute_capability = "Fake H200", 1 << 40, 1 << 40, (9, 0)
+
+    class Fn(FakeFn):
+        def launch(self, launch, stream=None, pdl=False, **args):
+            pass
+
+    fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
+                                     "load": staticmethod(lambda built: Fn(None))})
+    fake_runner(nqfile, monkeypatch)   # the fake driver in the parts' modules
+    monkeypatch.setattr(session_mod, "driver", fake)
+    monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
+    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None: FakeWeights(f))
+    monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
+    s = session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+    d = nqfile.dims
+    assert s.context == 100 and s.kv.layout.num_pages == 20 and s.decoder.graph is None
+    assert not s.runner.cache.kept and s.runner.cache.pool.free == 20
+    parts = {"state": s.state.bufs, "decode": s.decoder.bufs, "prefill": s.prefiller.bufs}
+    allocated = {f"{p}.{n}": b[n].nbytes for p, b in parts.items() for n in b.names}
+    assert {k: v for k, v in s.device_bytes.items() if k not in ("weights", "kv")} == allocated
+    assert s.device_bytes["kv"] == s.kv.layout.total_bytes and s.device_bytes["weights"] == weights_mod.plan(nqfile).nbytes
+    assert s.device_bytes["state.tokens_out"] == 400 and s.device_bytes["decode.h"] == 4 * d.hidden
+    assert len(list(s.generate([1, 2, 3], 4))) == 4 and s.cached_tokens == 0
+    assert len(list(s.generate([1, 2, 3, 4], 2))) == 2 and s.cached_tokens == 3
+    Props.free_mem = sum(s.device_bytes.values()) - 1
+    monkeypatch.setattr(session_mod.codegen, "build_many", lambda *a, **k: pytest.fail("built before the check"))
+    with pytest.raises(memory_mod.DeviceMemoryError, match="not enough GPU memory"):
+        session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+
+
+requests = st.lists(st.tuples(st.integers(0, 2),                       # which base text
+                              st.integers(1, 30),                      # how much of it
+                              st.lists(st.integers(0, 511), max_size=3),   # then these tokens
+                              st.integers(1, 10),                      # max_new_tokens
+                              st.integers(1, 10)),                     # tokens read before closing
+                    min_size=1, max_size=6)
+BASES = [PROMPT + PROMPT[::-1], [300, 301, 302] * 10, PROMPT[:5] + [9] * 25]
+
+
+@given(requests, st.sampled_from([1, 3, 8]), st.sampled_from([None, 160]))
+@settings(max_examples=25)
+def test_random_request_streams_on_the_fake_device(nqfile, reqs, ahead, kv_tokens):
+    """Random streams of requests sharing prefixes, closed early or not, in a pool of one or several
+    sequences: every token equals a cold token-by-token reference generation (the fake device's K/V of
+    a reused prefix came from the same computations, so equality is exact), the pages the steps read
+    hold the sequence's tokens (FakeDevice.write), and no page is lost."""
+    with pytest.MonkeyPatch.context() as mp:
+        run, dev = fake_device(nqfile, mp, Reference(tiny_weights(nqfile), max_seq=64), capacity=48, ahead=ahead,
+                               kv_tokens=kv_tokens)
+        for base, cut, extra, new, read in reqs:
+            prompt = (BASES[base][:cut] + extra)[:40]
+            new = min(new, 48 - len(prompt) + 1)
+            it = run.generate(prompt, new)
+            got = [tok for tok, _ in zip(it, range(min(read, new)))]
+            it.close()
+            assert run.cached_tokens <= len(prompt) - 1
+            assert got == cold_greedy(nqfile, tuple(prompt), new)[:len(got)]
+            c = run.cache
+            assert c.pool.free + c.kept_pages == c.pool.num_pages
+
+
+@functools.cache
+def tiny_weights(nqfile):
+    return ReferenceWeights.from_file(nqfile)
+
+
+@functools.cache
+def cold_greedy(nqfile, prompt: tuple, n: int) -> list[int]:
+    """Token-by-token greedy generation from an empty cache (the fake device's numerics)."""
+    cold = Reference(tiny_weights(nqfile), max_seq=64)
+    for t in prompt:
+        logits = cold.decode(t)
+    return reference_generation(cold, logits, n, Sampling())

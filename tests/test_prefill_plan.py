@@ -1,8 +1,8 @@
 """CPU checks of the chunked prefill's wiring, no GPU (the fakes of tests/test_decoder_plan.py): chunk
-planning, buffer sizing against what the kernels write, the launch sequence of every chunk against each
-kernel's signature and grid (every pointer inside the buffer or weight region it names, every row range
-inside its buffer), the device state handed to the lm_head, and Decoder.generate's host logic over a
-prefill that is not the decode step."""
+planning, buffer sizing against what the kernels write, the launch sequence of every chunk of positions
+[p0, p1) against each kernel's signature and grid (every pointer inside the buffer or weight region it
+names, every row range inside its buffer), the device state handed to the lm_head, and the Runner's
+host logic over a prefill that is not the decode step, with prefix reuse."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import re
 
 import numpy as np
 import pytest
-from test_decoder_plan import MEM, FakeBuf, FakeCu, FakeDriver, FakeKV, FakeWeights, nqfile, reference_generation, reference_step  # noqa: F401
+from test_decoder_plan import MEM, PROMPT, FakeBuf, fake_device, fake_runner, nqfile, reference_generation  # noqa: F401
 from test_pdl_order import _before_wait
 
 from nanoqwen import config
 from nanoqwen.codegen.kernels import gemm
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.reference import Reference
-from nanoqwen.runtime import decoder as decoder_mod
 from nanoqwen.runtime import prefill as prefill_mod
-from nanoqwen.runtime.paged_kv import KVLayout
-from nanoqwen.runtime.sampler import HostSampler, Sampling
+from nanoqwen.runtime.sampler import Sampling
 
 PER_LAYER = ["rmsnorm", "qkv", "rope_append", "attention", "o_proj", "rmsnorm", "gate_up", "down"]
 # prefill kernels without weights: under PDL nothing global may be read before griddepcontrol.wait (the
@@ -31,16 +29,18 @@ NO_WEIGHTS = {role: spec for role, spec in prefill_mod.prefill_specs(QWEN25_7B, 
 
 @pytest.mark.parametrize("P", [1, 15, 16, 17, 100, 511, 512, 513, 600, 1024, 1025])
 @pytest.mark.parametrize("C", [1, 16, 100, 512])
-def test_chunks_cover_the_prompt(P, C):
-    plan = prefill_mod.chunks(P, C)
-    assert [p0 for p0, _ in plan] == list(range(0, P, C))
+@pytest.mark.parametrize("p0", [0, 7])
+def test_chunks_cover_the_range(P, C, p0):
+    plan = prefill_mod.chunks(p0, p0 + P, C)
+    assert [c0 for c0, _ in plan] == list(range(p0, p0 + P, C))
     assert sum(n for _, n in plan) == P and all(1 <= n <= C for _, n in plan)
     assert all(n == C for _, n in plan[:-1])
 
 
 def test_chunks_reject_empty():
-    with pytest.raises(ValueError):
-        prefill_mod.chunks(0, 512)
+    for p0, p1 in ((0, 0), (5, 5), (6, 5), (-1, 3)):
+        with pytest.raises(ValueError):
+            prefill_mod.chunks(p0, p1, 512)
 
 
 def test_buffer_sizes_match_the_kernels():
@@ -53,7 +53,7 @@ def test_buffer_sizes_match_the_kernels():
     assert shapes["o16"][0] == (C, g["o_proj"].k) and shapes["h"][0] == (C, g["down"].n) == (C, g["o_proj"].n)
     acts = 4 * C * (d.hidden + d.q_dim + 2 * d.kv_dim + d.q_dim) + 2 * C * (d.hidden + d.q_dim + d.intermediate)
     assert acts == 50_855_936   # 48.5 MiB of activations for 512-token chunks of the 7B
-    assert prefill_mod.buffer_bytes(d, C, 4096) == acts + 4 * 4096
+    assert sum(prefill_mod.buffer_bytes(d, C, 4096).values()) == acts + 4 * 4096
 
 
 @pytest.mark.parametrize("role", NO_WEIGHTS)
@@ -73,46 +73,35 @@ class RecFn:
         self.log.append((self.role, launch, pdl, args))
 
 
-def fake_engine(nqfile, monkeypatch, chunk, capacity=700):
-    cfg = config.default()
-    d = nqfile.dims
-    for mod in (decoder_mod, prefill_mod):
-        monkeypatch.setattr(mod, "driver", FakeDriver)
-        monkeypatch.setattr(mod, "cu", FakeCu)
-    log = []
-    specs = decoder_mod.step_specs(d, cfg) | prefill_mod.prefill_specs(d, cfg)
-    kernels = {role: (spec, RecFn(role, log)) for role, spec in specs.items()}
-    layout = KVLayout.for_model(d, cfg, capacity)
-    w, kv = FakeWeights(nqfile), FakeKV(layout)
-    rope = (np.zeros((capacity, d.head_dim // 2), np.float32),) * 2
-    pre = prefill_mod.Prefiller(d, kernels, chunk, capacity)
-    dec = decoder_mod.Decoder(d, w, kv, kernels, rope, capacity, prefill=pre)
-    return dec, pre, w, kv, kernels, log
-
-
 def inside(ptr: int, nbytes: int) -> bool:
     return any(b.ptr <= ptr and ptr + nbytes <= b.ptr + b.nbytes for b in MEM)
 
 
-@pytest.mark.parametrize("P,C", [(1, 512), (17, 16), (100, 512), (100, 32), (600, 512)])
-def test_prefill_launch_sequence(nqfile, monkeypatch, P, C):
+@pytest.mark.parametrize("p0,P,C", [(0, 1, 512), (0, 17, 16), (0, 100, 512), (0, 100, 32), (0, 600, 512),
+                                    (16, 17, 16), (5, 100, 32), (99, 100, 512), (37, 600, 512)])
+def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
+    """Positions [p0, P) of a sequence through Runner.prefill: the chunks start at p0, read the ids of
+    their own positions, and the lm_head runs on the last row as step P - 1."""
     d = nqfile.dims
-    dec, pre, w, kv, kernels, log = fake_engine(nqfile, monkeypatch, C)
+    log = []
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=C, fn=lambda role, spec: RecFn(role, log))
+    dec, pre, sh = run.decoder, run.prefiller, run.shared
+    w, kv, kernels = sh.weights, sh.kv, dec.kernels
     prompt = ((np.arange(P) * 37 + 5) % d.vocab).tolist()
-    dec.argmax_done.mem.view(np.uint32)[:] = 7
-    assert pre(dec, prompt, read_token=True) == P
-    plan = prefill_mod.chunks(P, C)
+    sh.bufs.argmax_done.mem.view(np.uint32)[:] = 7
+    run.prefill(prompt[p0:], p0, read_token=True)
+    plan = prefill_mod.chunks(p0, P, C)
 
-    # device state as the lm_head finds it: "step P - 1" at position P - 1; the prompt ids uploaded once
-    assert dec.state.mem.view(np.int32).tolist() == [prompt[-1], P - 1, P - 1, 0]
-    assert pre.tokens.mem.view(np.int32)[:P].tolist() == prompt
-    assert int(dec.argmax_done.mem.view(np.uint32)[0]) == 0
+    # device state as the lm_head finds it: "step P - 1" at position P - 1; the new ids uploaded once
+    assert sh.bufs.state.mem.view(np.int32).tolist() == [prompt[-1], P - 1, P - 1, 0]
+    assert pre.bufs.tokens.mem.view(np.int32)[:P - p0].tolist() == prompt[p0:]
+    assert int(sh.bufs.argmax_done.mem.view(np.uint32)[0]) == 0
 
     roles = [r for r, *_ in log]
     assert roles == (["prefill.embed"] + ["prefill." + r for r in PER_LAYER] * d.layers) * len(plan) + ["lm_head"]
     b, hid = pre.bufs, d.hidden
     k = 0
-    for p0, n in plan:
+    for c0, n in plan:
         for role, launch, pdl, args in log[k:k + 1 + len(PER_LAYER) * d.layers]:
             spec = kernels[role][0]
             assert pdl, f"{role} launched without PDL"
@@ -124,10 +113,11 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, P, C):
                     assert inside(int(v.ptr if isinstance(v, FakeBuf) else v), 1), f"{role}.{name} points nowhere"
             for name in ("p0", "n", "m"):
                 if name in args:
-                    assert args[name] == (p0 if name == "p0" else n), f"{role}.{name}"
+                    assert args[name] == (c0 if name == "p0" else n), f"{role}.{name}"
         emb = log[k][3]
-        assert emb["tokens"] == pre.tokens.ptr + 4 * p0 and inside(emb["tokens"], 4 * n)
-        assert emb["h"] is b["h"] and emb["embed"] == w.ptr("embed")
+        assert emb["tokens"] == b.tokens.ptr + 4 * (c0 - p0) and inside(emb["tokens"], 4 * n)
+        assert at_tokens(emb["tokens"], n) == prompt[c0:c0 + n]
+        assert emb["h"] is b.h and emb["embed"] == w.ptr("embed")
         for i in range(d.layers):
             L = f"L{i}."
             layer = dict(zip(PER_LAYER[:5] + ["post_norm"] + PER_LAYER[6:],
@@ -143,43 +133,47 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, P, C):
             for role in ("rope_append", "attention"):
                 assert (layer[role]["k_pool"], layer[role]["v_pool"]) == (kv.k_ptr(i), kv.v_ptr(i))
             # the chain: residual h in, the GEMMs' X from the previous kernel's output, h += by o_proj and down
-            assert layer["qkv"]["x"] is b["xn"] and layer["qkv"]["y"] is b["qkv"] and layer["o_proj"]["x"] is b["o16"]
-            assert layer["gate_up"]["x"] is b["xn"] and layer["gate_up"]["y"] is b["a16"]
-            assert layer["down"]["x"] is b["a16"] and layer["o_proj"]["y"] is layer["down"]["y"] is b["h"]
-            assert layer["attention"]["o16"] is b["o16"] and layer["rope_append"]["q_rot"] is b["q_rot"]
+            assert layer["qkv"]["x"] is b.xn and layer["qkv"]["y"] is b.qkv and layer["o_proj"]["x"] is b.o16
+            assert layer["gate_up"]["x"] is b.xn and layer["gate_up"]["y"] is b.a16
+            assert layer["down"]["x"] is b.a16 and layer["o_proj"]["y"] is layer["down"]["y"] is b.h
+            assert layer["attention"]["o16"] is b.o16 and layer["rope_append"]["q_rot"] is b.q_rot
         k += 1 + 8 * d.layers
     # the lm_head on the last prompt row (decode step's argmax/state advance), row inside the chunk buffer
     role, launch, pdl, args = log[-1]
-    want = dict(dec.sequence[-1][3], h=b["h"].ptr + 4 * hid * (P - 1 - plan[-1][0]))
+    want = dict(dec.sequence[-1][3], h=b.h.ptr + 4 * hid * (P - 1 - plan[-1][0]))
     assert args == want and launch == kernels["lm_head"][0].launch()
-    assert inside(args["h"], 4 * hid) and args["h"] + 4 * hid <= b["h"].ptr + 4 * hid * plan[-1][1]
+    assert inside(args["h"], 4 * hid) and args["h"] + 4 * hid <= b.h.ptr + 4 * hid * plan[-1][1]
+
+
+def at_tokens(ptr: int, n: int) -> list[int]:
+    for buf in MEM:
+        if buf.ptr <= ptr and ptr + 4 * n <= buf.ptr + buf.nbytes:
+            return buf.mem[ptr - buf.ptr:ptr - buf.ptr + 4 * n].view(np.int32).tolist()
+    raise AssertionError("no buffer")
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=11)])
 def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
-    """Decoder.generate with a prefill that is not the decode step: a fake one that does what the
-    Prefiller's kernels do to the device (state (token, P, P), tokens_out[P - 1], logits) with the
-    reference's batched prefill; the decode steps are the reference's decode. Tokens must be the
-    reference's own generation, and the decode steps must be fed the generated tokens only."""
-    dec, pre, *_ = fake_engine(nqfile, monkeypatch, 512)
+    """The Runner with a prefill that is not the decode step: the fake device's batched prefill (K/V of
+    [p0, p1), logits of the last row) and lm_head (tokens_out[P - 1], state (token, P, P)); the decode
+    steps are the reference's decode. Tokens must be the reference's own generation; the decode steps
+    must be fed the generated tokens only, and a reused prefix is not prefilled again."""
     ref = Reference.from_file(nqfile, max_seq=100)
-    fed = []
-
-    def prefill(d, prompt, read_token=False, read_logits=False):
-        logits = ref.prefill(prompt)[-1]
-        tok = int(np.argmax(logits))
-        d.logits.mem.view(np.float32)[:] = logits
-        d.tokens_out.mem.view(np.int32)[len(prompt) - 1] = tok
-        d.state.mem.view(np.int32)[:] = (tok, len(prompt), len(prompt), 0)
-        d.read_back(len(prompt) - 1, read_token, read_logits)
-        return len(prompt)
-
-    monkeypatch.setattr(dec, "prefill", prefill)
-    monkeypatch.setattr(dec, "launch_kernels", reference_step(dec, ref, fed))
-    prompt = [5, 17, 9, 300, 41, 7, 77, 123, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    run, dev = fake_device(nqfile, monkeypatch, ref, batched_prefill=True)
+    check = Reference.from_file(nqfile, max_seq=100)
     for n in (1, 2, 12):
-        fed.clear()
-        got = list(dec.generate(prompt, n, sampling))
-        want = reference_generation(ref, ref.prefill(prompt)[-1], n, sampling)
-        assert got == want
-        assert fed == want[:-1], "the decode steps were fed something other than the generated tokens"
+        run.cache.clear()
+        dev.fed.clear()
+        got = list(run.generate(PROMPT, n, sampling))
+        want = reference_generation(check, check.prefill(PROMPT)[-1], n, sampling)
+        assert got == want and run.cached_tokens == 0
+        assert dev.fed == PROMPT + want[:-1], "the device was fed something other than prompt + generated"
+    # the next turn: prompt + reply + more; only [L, P) is prefilled. Greedy: the reused K/V came from
+    # decode steps, a cold prefill rounds differently, and sampling on this random model's near-uniform
+    # probabilities moves with the last bit
+    q = PROMPT + want + [33, 34, 35]
+    dev.fed.clear()
+    got = list(run.generate(q, 6))
+    L = len(PROMPT) + len(want) - 1
+    assert run.cached_tokens == L and dev.fed[:len(q) - L] == q[L:]
+    assert got == reference_generation(check, check.prefill(q)[-1], 6, Sampling())

@@ -2,9 +2,12 @@
 stream text through the tokenizer's incremental detokenizer, report TTFT and tokens/s. Ctrl-C stops
 cleanly: the engine's token iterator is closed, which lets it drain the steps it launched ahead.
 
-An engine is anything with ``name``, ``dims`` and ``generate(prompt_ids, max_new_tokens, sampling)``
-returning an iterator of new token ids (the first one comes out of prefill). The CUDA engine
-(runtime/session.py) and the numpy reference engine (nanoqwen/backends.py) both are."""
+An engine (the contract both the CUDA engine, runtime/session.py, and the numpy reference engine,
+nanoqwen/backends.py, keep) has ``name``, ``dims``, ``context``, ``cached_tokens``, ``close()`` and
+``generate(prompt_ids, max_new_tokens, sampling, logits=False)``: an iterator of new token ids (the first
+one comes out of prefill), which reuses the longest prefix it kept from earlier requests
+(runtime/prefix_cache.py) and stops within one step when closed. ``check_request`` is its one request
+check, run before anything else."""
 
 from __future__ import annotations
 

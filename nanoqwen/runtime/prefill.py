@@ -1,21 +1,23 @@
-"""Prefill: the prompt through the tensor-core kernels (DESIGN.md section 6), in chunks of at most
-``prefill.chunk_tokens`` tokens so the activation buffers stay bounded whatever the prompt length.
+"""Prefill: tokens at positions [p0, p1) of a sequence through the tensor-core kernels (DESIGN.md
+section 6), in chunks of at most ``prefill.chunk_tokens`` tokens so the activation buffers stay bounded
+whatever the length. Positions before p0 must already be in the KV pages: a whole prompt is p0 = 0, a
+prompt whose prefix the cache kept starts at the first position it did not (runtime/prefix_cache.py),
+and speculative decoding's verify step would be a few tokens past the accepted ones.
 
-Per chunk of n tokens at positions [p0, p0 + n) (all launched with Programmatic Dependent Launch: every
+Per chunk of n tokens at positions [c0, c0 + n) (all launched with Programmatic Dependent Launch: every
 kernel waits before touching what its predecessor wrote):
-  embed_prefill   h[n, hidden] = f32(embed[tokens[p0 : p0 + n]])
+  embed_prefill   h[n, hidden] = f32(embed[tokens[c0 : c0 + n]])
   per layer       rmsnorm_prefill -> gemm qkv (+bias, f32) -> rope_append_prefill (q_rot; k, v into the
-                  pages) -> attention_prefill (causal over keys [0, p0 + n), o16) -> gemm o_proj (h +=)
+                  pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
                   -> rmsnorm_prefill -> gemm gate/up (SwiGLU, a16) -> gemm down (h +=)
-Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. After
-the last chunk the decode step's own lm_head_argmax kernel runs on the last prompt row of h, with the
-device state set to (prompt[-1], P - 1, P - 1): it writes tokens_out[P - 1] (the first new token) and
-advances the state to (token, P, P), where token-by-token prefill through the decode step would have
-left it, so the decode loop that follows runs unchanged.
+Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
+Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
+runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
+writes tokens_out[p1 - 1] and leaves the state at (next token, p1, p1), where token-by-token prefill
+through the decode step would have left it, so the decode loop that follows runs unchanged.
 
 ``by_steps`` is that token-by-token prefill through the decode step itself: the debugging baseline
-(``CudaSession(prefill="decode")``: bit-identical to teacher-forced decode) and what a Decoder built
-without a Prefiller uses (the CPU tests of the host logic)."""
+(``CudaSession(prefill="decode")``: bit-identical to teacher-forced decode)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
 from ..codegen.kernels import attention_prefill, embed_prefill, gemm
 from . import driver
 from .driver import check, cu
+from .memory import Buffers
 
 
 def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
@@ -37,11 +40,12 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
             "prefill.rope_append": rope, "prefill.attention": attn}
 
 
-def chunks(prompt_len: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """(p0, n) of each chunk: consecutive, every one chunk_tokens long but the last."""
-    if prompt_len < 1 or chunk_tokens < 1:
-        raise ValueError(f"chunks: prompt_len ({prompt_len}) and chunk_tokens ({chunk_tokens}) must be positive")
-    return [(p0, min(chunk_tokens, prompt_len - p0)) for p0 in range(0, prompt_len, chunk_tokens)]
+def chunks(p0: int, p1: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(c0, n) of each chunk of positions [p0, p1): consecutive, every one chunk_tokens long but the last."""
+    if not 0 <= p0 < p1 or chunk_tokens < 1:
+        raise ValueError(f"chunks: positions [{p0}, {p1}) must be a non-empty range and chunk_tokens "
+                         f"({chunk_tokens}) positive")
+    return [(c0, min(chunk_tokens, p1 - c0)) for c0 in range(p0, p1, chunk_tokens)]
 
 
 def buffer_shapes(dims, chunk_tokens: int) -> dict:
@@ -59,84 +63,80 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def buffer_bytes(dims, chunk_tokens: int, capacity: int) -> int:
-    """Device bytes of a Prefiller: the chunk activations plus the prompt's token ids."""
-    return sum(_nbytes(*sd) for sd in buffer_shapes(dims, chunk_tokens).values()) + 4 * capacity
+def buffer_bytes(dims, chunk_tokens: int, capacity: int) -> dict[str, int]:
+    """The Prefiller's device buffers: the chunk activations plus the token ids of up to ``capacity``
+    positions."""
+    return {**{name: _nbytes(*sd) for name, sd in buffer_shapes(dims, chunk_tokens).items()}, "tokens": 4 * capacity}
 
 
 class Prefiller:
-    """``kernels`` holds the ``prefill_specs`` roles as ``(spec, Function)``; ``capacity`` is the longest
-    prompt (the decoder's KV capacity). Called as ``prefill(decoder, prompt, read_token, read_logits)``
-    like ``by_steps``; it launches on the decoder's stream over the decoder's weights, KV cache, rope
-    tables and state, and never waits for the GPU."""
+    """``shared`` is the runtime.state.SequenceState it runs over (weights, KV cache, rope tables, stream,
+    error flags); ``kernels`` holds the ``prefill_specs`` roles as ``(spec, Function)``; ``capacity`` is
+    the most positions a sequence has. Never waits for the GPU."""
 
-    def __init__(self, dims, kernels: dict, chunk_tokens: int, capacity: int):
-        self.dims, self.kernels = dims, kernels
-        self.chunk_tokens, self.capacity = chunk_tokens, capacity
-        B = driver.DeviceBuffer
-        self.bufs = {name: B(_nbytes(*sd)) for name, sd in buffer_shapes(dims, chunk_tokens).items()}
-        self.tokens = B(4 * capacity)                     # int32 prompt ids, one copy per request
-        self.host_tokens = driver.HostBuffer(4 * capacity)
+    def __init__(self, shared, kernels: dict, chunk_tokens: int):
+        self.shared, self.dims, self.kernels = shared, shared.dims, kernels
+        self.chunk_tokens, self.capacity = chunk_tokens, shared.capacity
+        self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity))
+        self.host_tokens = driver.HostBuffer(4 * self.capacity)
 
-    def _launch(self, stream, role: str, rows: int, **args) -> None:
+    def _launch(self, role: str, rows: int, **args) -> None:
         """One prefill kernel, its grid sized for a chunk of ``rows`` tokens, with PDL (each one waits
         before it touches its predecessor's output)."""
         spec, fn = self.kernels["prefill." + role]
-        fn.launch(spec.launch(rows), stream, True, **args)
+        fn.launch(spec.launch(rows), self.shared.stream, True, **args)
 
-    def _chunk(self, dec, p0: int, n: int) -> None:
-        """Enqueue every kernel of one chunk: afterwards bufs["h"] holds its rows' final residual."""
-        W, kv, b, s = dec.weights.ptr, dec.kv, self.bufs, dec.stream
-        h = b["h"]
+    def _chunk(self, c0: int, n: int, tokens: int) -> None:
+        """Enqueue every kernel of the chunk at positions [c0, c0 + n) (its ids at device address
+        ``tokens``): afterwards bufs.h holds its rows' final residual."""
+        sh, b = self.shared, self.bufs
+        W, kv, h = sh.weights.ptr, sh.kv, b.h
 
         def mm(role, x, w, s_, y, w2=0, s2=0, bias=0):
-            self._launch(s, role, n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
+            self._launch(role, n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
 
-        self._launch(s, "embed", n, tokens=self.tokens.ptr + 4 * p0, embed=W("embed"), h=h, err=dec.err, n=n)
+        self._launch("embed", n, tokens=tokens, embed=W("embed"), h=h, err=sh.bufs.err, n=n)
         for i in range(self.dims.layers):
             L = f"L{i}."
-            self._launch(s, "rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b["xn"], m=n)
-            mm("qkv", b["xn"], W(L + "qkv.packed"), W(L + "qkv.scales"), b["qkv"], bias=W(L + "qkv.bias"))
-            self._launch(s, "rope_append", n, qkv=b["qkv"], rope_cos=dec.cos, rope_sin=dec.sin,
-                         page_table=kv.page_table, q_rot=b["q_rot"], k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
-                         p0=p0, n=n)
-            self._launch(s, "attention", n, q_rot=b["q_rot"], k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
-                         page_table=kv.page_table, o16=b["o16"], p0=p0, n=n)
-            mm("o_proj", b["o16"], W(L + "o.packed"), W(L + "o.scales"), h)
-            self._launch(s, "rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b["xn"], m=n)
-            mm("gate_up", b["xn"], W(L + "gate.packed"), W(L + "gate.scales"), b["a16"],
+            self._launch("rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b.xn, m=n)
+            mm("qkv", b.xn, W(L + "qkv.packed"), W(L + "qkv.scales"), b.qkv, bias=W(L + "qkv.bias"))
+            self._launch("rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
+                         page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
+                         p0=c0, n=n)
+            self._launch("attention", n, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
+                         page_table=kv.page_table, o16=b.o16, p0=c0, n=n)
+            mm("o_proj", b.o16, W(L + "o.packed"), W(L + "o.scales"), h)
+            self._launch("rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b.xn, m=n)
+            mm("gate_up", b.xn, W(L + "gate.packed"), W(L + "gate.scales"), b.a16,
                w2=W(L + "up.packed"), s2=W(L + "up.scales"))
-            mm("down", b["a16"], W(L + "down.packed"), W(L + "down.scales"), h)
+            mm("down", b.a16, W(L + "down.packed"), W(L + "down.scales"), h)
 
-    def __call__(self, dec, prompt: list[int], read_token: bool = False, read_logits: bool = False) -> int:
-        """Enqueue the prefill of ``prompt`` (its pages must be reserved) and the first token's argmax;
-        optionally copy that token / the last position's logits out (decoder step slot P - 1).
-        Returns P, the steps prefill stands for."""
-        P = len(prompt)
-        if not 1 <= P <= self.capacity:
-            raise ValueError(f"prefill: prompt of {P} tokens, the prefiller holds 1..{self.capacity}")
-        dec.reset(int(prompt[-1]), P - 1, P - 1)   # the argmax below is "step P - 1" (drains the stream first)
-        self.host_tokens.array(np.int32)[:P] = prompt
-        s = dec.stream.handle
-        check(cu.cuMemcpyHtoDAsync(self.tokens.ptr, self.host_tokens.ptr, 4 * P, s), "prefill tokens")
-        dec.argmax_done.memset_u32(0, dec.stream)   # the decode embed re-arms it; no embed runs before this argmax
-        plan = chunks(P, self.chunk_tokens)
-        for p0, n in plan:
-            self._chunk(dec, p0, n)
-        dec.launch_lm_head(self.bufs["h"].ptr + 4 * self.dims.hidden * (P - 1 - plan[-1][0]))  # last prompt row
-        dec.read_back(P - 1, read_token, read_logits)
-        return P
+    def __call__(self, tokens: list[int], p0: int = 0) -> int:
+        """Enqueue the prefill of ``tokens`` at positions [p0, p0 + len(tokens)) of the sequence whose
+        pages are loaded (positions before p0 already hold its K/V). Returns the device address of the
+        last position's fp32 residual row, for the lm_head."""
+        p1 = p0 + len(tokens)
+        if not 0 <= p0 < p1 <= self.capacity:
+            raise ValueError(f"prefill: positions [{p0}, {p1}), the sequence holds 0..{self.capacity}")
+        self.host_tokens.array(np.int32)[:len(tokens)] = tokens
+        check(cu.cuMemcpyHtoDAsync(self.bufs.tokens.ptr, self.host_tokens.ptr, 4 * len(tokens),
+                                   self.shared.stream.handle), "prefill tokens")
+        parts = chunks(p0, p1, self.chunk_tokens)
+        for c0, n in parts:
+            self._chunk(c0, n, self.bufs.tokens.ptr + 4 * (c0 - p0))
+        return self.bufs.h.ptr + 4 * self.dims.hidden * (p1 - 1 - parts[-1][0])
 
     def close(self) -> None:
-        for buf in (*self.bufs.values(), self.tokens, self.host_tokens):
-            buf.free()
+        self.bufs.free()
+        self.host_tokens.free()
 
 
-def by_steps(decoder, prompt: list[int], read_token: bool = False, read_logits: bool = False) -> int:
-    """Token-by-token prefill through the decode step: steps 0 .. P-1, step i feeding ``prompt[i]``; the
-    last step's token / logits are copied out on request. Nothing here waits for the GPU. Returns P."""
-    decoder.reset(int(prompt[0]))
-    for i, tok in enumerate(prompt):
-        last = i == len(prompt) - 1
-        decoder.step(i, feed=tok if i else None, read_token=read_token and last, read_logits=read_logits and last)
-    return len(prompt)
+def by_steps(decoder, tokens: list[int], p0: int = 0, read_token: bool = False, read_logits: bool = False) -> None:
+    """Token-by-token prefill of ``tokens`` at positions [p0, p1) through the decode step: steps p0 ..
+    p1 - 1, step i feeding the token of position i; the last step's token / logits are copied out on
+    request. Nothing here waits for the GPU."""
+    decoder.reset(int(tokens[0]), p0, p0)
+    for j, tok in enumerate(tokens):
+        last = j == len(tokens) - 1
+        decoder.step(p0 + j, feed=tok if j else None, read_token=read_token and last,
+                     read_logits=read_logits and last)

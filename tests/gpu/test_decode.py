@@ -31,34 +31,32 @@ NEW = 32                            # tokens generated per prompt in the graph t
 
 def gpu_logits(session, tokens):
     """Teacher-forced: feed ``tokens`` one step each, return (fp32 logits [n, V], fused argmax [n])."""
-    dec = session.decoder
-    dec.kv.release()
-    dec.kv.reserve(len(tokens))
-    dec.reset(int(tokens[0]))
+    sh, dec = session.state, session.decoder
+    session.runner.reserve(len(tokens))
+    sh.reset(int(tokens[0]))
     logits = []
     for i, t in enumerate(tokens):
         dec.step(i, feed=int(t) if i else None, read_token=True, read_logits=True)
-        dec.wait_step(i)
-        logits.append(dec.host_logits.array(np.float32).copy())
-    dec.check_errors()
-    state = dec.read_state()
+        sh.wait_step(i)
+        logits.append(sh.logits())
+    sh.check_errors()
+    state = sh.read_state()
     assert (state[1], state[2]) == (len(tokens), len(tokens)), f"device state after {len(tokens)} steps: {state}"
-    return np.stack(logits), dec.tok_out[:len(tokens)].copy()
+    return np.stack(logits), sh.tok_out[:len(tokens)].copy()
 
 
 def prefilled_tokens(session, prompt, gen):
     """Teacher-forced after the session's own prefill: prefill ``prompt``, then feed ``gen[:-1]`` one
     step each; the argmax tokens at positions P-1 .. P-2+len(gen) (== ``gen`` when the free-running
     decode loop is consistent with stepping)."""
-    dec, P = session.decoder, len(prompt)
-    dec.kv.release()
-    dec.kv.reserve(P + len(gen) - 1)
-    dec.prefill(dec, prompt, read_token=True)
+    sh, P = session.state, len(prompt)
+    session.runner.reserve(P + len(gen) - 1)
+    session.runner.prefill(prompt, 0, read_token=True)
     for j, t in enumerate(gen[:-1]):
-        dec.step(P + j, feed=int(t), read_token=True)
-    dec.wait_step(P + len(gen) - 2)
-    dec.check_errors()
-    return dec.tok_out[P - 1:P - 1 + len(gen)].tolist()
+        session.decoder.step(P + j, feed=int(t), read_token=True)
+    sh.wait_step(P + len(gen) - 2)
+    sh.check_errors()
+    return sh.tok_out[P - 1:P - 1 + len(gen)].tolist()
 
 
 def stdlib_prompts(tok, n: int, rng) -> list[list[int]]:
@@ -162,15 +160,18 @@ def test_massive_activations_stay_finite(sessions, references):
 
 def test_closing_early_then_reusing(sessions, tok):
     """Breaking out of the token stream (EOS, Ctrl-C) leaves steps launched ahead; they must drain and the
-    next request must start from a clean state."""
+    next request must start from a clean state (with and without the prefix the closed one kept)."""
     s = sessions("small-py")
     p = tok.encode("def main():\n    ")
+    s.runner.cache.clear()
     full = list(s.generate(p, 20))
     it = s.generate(p, 20)
     first = [next(it) for _ in range(3)]
     it.close()
     assert first == full[:3]
-    assert list(s.generate(p, 20)) == full
+    assert list(s.generate(p, 20)) == full and s.cached_tokens == len(p) - 1
+    s.runner.cache.clear()
+    assert list(s.generate(p, 20)) == full and s.cached_tokens == 0
 
 
 def test_sampling_path(sessions, tok):

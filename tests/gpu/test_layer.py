@@ -35,26 +35,26 @@ def run_block(session, tokens):
     sub = dec.sequence[:8]
     assert [r for r, *_ in sub] == ["embed", "qkv", "rope_append", "attention_decode", "attention_combine",
                                     "o_proj", "gate_up", "down"]
-    dec.kv.release()
-    dec.kv.reserve(len(tokens))
+    session.runner.reserve(len(tokens))
     out = {k: [] for k in ("h_in", "qkv", "q_rot", "o16", "a16", "h")}
     d = session.dims
     for t, tok in enumerate(tokens):
         dec.reset(int(tok), pos=t, step=t)
-        for buf in (dec.qkv, dec.q_rot, dec.o16, dec.a16, dec.h):
+        b = dec.bufs
+        for buf in (b.qkv, b.q_rot, b.o16, b.a16, b.h):
             buf.poison(dec.stream)
         fn, launch, args = sub[0][1:]
         fn.launch(launch, dec.stream, dec.pdl, **args)
         dec.drain()
-        out["h_in"].append(dec.h.download(np.empty(d.hidden, np.float32)))
+        out["h_in"].append(b.h.download(np.empty(d.hidden, np.float32)))
         for role, fn, launch, args in sub[1:]:
             fn.launch(launch, dec.stream, dec.pdl, **args)
         dec.drain()
-        out["h"].append(dec.h.download(np.empty(d.hidden, np.float32)))
-        out["qkv"].append(dec.qkv.download(np.empty(d.q_dim + 2 * d.kv_dim, np.float32)))
-        out["q_rot"].append(dec.q_rot.download(np.empty(d.q_dim, np.float32)))
-        out["o16"].append(dec.o16.download(np.empty(d.q_dim, np.float16)))
-        out["a16"].append(dec.a16.download(np.empty(d.intermediate, np.float16)))
+        out["h"].append(b.h.download(np.empty(d.hidden, np.float32)))
+        out["qkv"].append(b.qkv.download(np.empty(d.q_dim + 2 * d.kv_dim, np.float32)))
+        out["q_rot"].append(b.q_rot.download(np.empty(d.q_dim, np.float32)))
+        out["o16"].append(b.o16.download(np.empty(d.q_dim, np.float16)))
+        out["a16"].append(b.a16.download(np.empty(d.intermediate, np.float16)))
     dec.check_errors()
     return {k: np.stack(v) for k, v in out.items()}
 
@@ -66,7 +66,7 @@ def gathered_cache(session, layer: int, n: int):
     out = []
     for pool in (kv.k[layer], kv.v[layer]):
         host = pool.download(np.empty(lay.pool_shape, np.float16))
-        rows = [host[kv.pages.locate(p)[0], :, kv.pages.locate(p)[1], :] for p in range(n)]
+        rows = [host[kv.locate(p)[0], :, kv.locate(p)[1], :] for p in range(n)]
         out.append(np.stack(rows).reshape(n, d.kv_heads, d.head_dim))
     return out
 

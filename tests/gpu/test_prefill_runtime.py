@@ -94,34 +94,39 @@ def window(corpus, rng, n: int) -> list[int]:
 
 
 def run_prefill(session, pre, prompt):
-    """Prefill ``prompt`` through ``pre`` on a fresh reservation, poisoned buffers first; returns
-    (last-position logits, fused token, device state)."""
-    dec, P = session.decoder, len(prompt)
-    dec.drain()
-    dec.kv.release()
-    dec.kv.reserve(P + NEW - 1)
-    for b in (*pre.bufs.values(), dec.logits):
+    """Prefill ``prompt`` through ``pre`` on fresh pages, poisoned buffers first; returns (last-position
+    logits, fused token, device state)."""
+    sh, P = session.state, len(prompt)
+    session.runner.reserve(P + NEW - 1)
+    for b in (*(pre.bufs[n] for n in pre.bufs.names), sh.bufs.logits):
         b.poison()
-    assert pre(dec, prompt, read_token=True, read_logits=True) == P
-    dec.wait_step(P - 1)
-    logits = dec.host_logits.array(np.float32).copy()
-    token = int(dec.tok_out[P - 1])
-    dec.check_errors()
-    return logits, token, dec.read_state()
+    sh.reset(int(prompt[-1]), P - 1, P - 1)
+    session.decoder.lm_head(pre(prompt, 0))
+    sh.read_back(P - 1, read_token=True, read_logits=True)
+    sh.wait_step(P - 1)
+    logits = sh.logits()
+    token = int(sh.tok_out[P - 1])
+    sh.check_errors()
+    return logits, token, sh.read_state()
 
 
 def pages_error(session, ref, P: int) -> float:
     """Worst relative error over layers of the K and V pages at positions 0..P-1 vs the simulation."""
-    kv, lay = session.decoder.kv, session.decoder.kv.layout
-    t = np.arange(P)
-    pages, slots = kv.pages.table[t // lay.page_size], t % lay.page_size
-    worst = 0.0
+    want = [(ref.k_cache[i][:P], ref.v_cache[i][:P]) for i in range(session.dims.layers)]
+    return max(rel(g, w) for got, ws in zip(gathered_pages(session, P), want) for g, w in zip(got, ws))
+
+
+def gathered_pages(session, P: int) -> list:
+    """Per layer (K, V) of positions 0..P-1 from the device pools, through the loaded page table."""
+    kv, lay = session.kv, session.kv.layout
+    where = [kv.locate(p) for p in range(P)]
+    pages, slots = np.array([w[0] for w in where]), np.array([w[1] for w in where])
+    out = []
     for i in range(session.dims.layers):
-        for pool, want in ((kv.k[i], ref.k_cache[i]), (kv.v[i], ref.v_cache[i])):
-            got = pool.download(dtype=np.float16, shape=lay.pool_shape)[pages, :, slots, :]
-            assert np.isfinite(got).all(), f"layer {i}: non-finite K/V in the pages"
-            worst = max(worst, rel(got, want[:P]))
-    return worst
+        pair = tuple(pool.download(dtype=np.float16, shape=lay.pool_shape)[pages, :, slots, :] for pool in (kv.k[i], kv.v[i]))
+        assert all(np.isfinite(x).all() for x in pair), f"layer {i}: non-finite K/V in the pages"
+        out.append(pair)
+    return out
 
 
 def check_prefill(session, ref, pre, prompt, what: str) -> int:
@@ -143,15 +148,15 @@ def check_prefill(session, ref, pre, prompt, what: str) -> int:
 @pytest.mark.parametrize("P", LENGTHS)
 def test_prefill_matches_simulation(sessions, references, corpus, P, chunk):
     s, ref = sessions("small-py", context=CONTEXT), references("small-py")
-    assert s.prefiller is not None and s.decoder.prefill is s.prefiller
+    assert s.prefiller is not None and s.runner.prefiller is s.prefiller
     if chunk is not None and chunk >= P:
         pytest.skip("one chunk: the config-chunk case covers it")
-    pre = s.prefiller if chunk is None else Prefiller(s.dims, s.decoder.kernels, chunk, s.context)
+    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk)
     try:
         check_prefill(s, ref, pre, window(corpus, fresh_rng(), P),
                       f"small-py P={P} chunk={pre.chunk_tokens}")
     finally:
-        s.decoder.drain()
+        s.state.drain()
         if pre is not s.prefiller:
             pre.close()
 
@@ -181,12 +186,12 @@ def test_generate_token_match(sessions, references, corpus):
 @pytest.mark.parametrize("chunk", [None, 48], ids=["config-chunk", "chunk48"])
 def test_7b_shapes_prefill(sessions, references, chunk):
     s, ref = sessions("7b-shapes"), references("7b-shapes")
-    pre = s.prefiller if chunk is None else Prefiller(s.dims, s.decoder.kernels, chunk, s.context)
+    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk)
     try:
         prompt = fresh_rng().integers(0, s.dims.vocab, 100).tolist()
         check_prefill(s, ref, pre, prompt, f"7b-shapes P=100 chunk={pre.chunk_tokens}")
     finally:
-        s.decoder.drain()
+        s.state.drain()
         if pre is not s.prefiller:
             pre.close()
 

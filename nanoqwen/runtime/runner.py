@@ -1,0 +1,95 @@
+"""The CUDA engine's request loop: one request at a time over the shared sequence state
+(runtime/state.py), the decode step (runtime/decoder.py) and the chunked prefill (runtime/prefill.py,
+or ``by_steps`` through the decode step), which know nothing of each other.
+
+A request: check it; take the kept sequence sharing the longest prefix, L positions, and pages for every
+position the request may write (runtime/prefix_cache.py); copy its page table into the device table
+the graph reads; prefill positions [L, P); decode. Greedy runs ``ahead`` steps in front of the token the
+host is reading: after each step a 4-byte copy moves ``tokens_out[step]`` into pinned memory and records
+an event, and the host only waits on the event of the oldest token it wants, never to decide what to
+launch next. Sampling (temperature > 0) and ``logits=True`` need the host in the loop: each step's fp32
+logits are downloaded and the sampled token is copied into ``state[0]`` for the next step.
+
+Closing the token iterator (EOS, Ctrl-C, a client gone) stops launching at once and drains what was
+launched ahead; the sequence is then kept with exactly the positions whose K/V was written and whose
+token the host knows. A request that fails keeps nothing."""
+
+from __future__ import annotations
+
+from .generate import check_request
+from .prefill import by_steps
+from .prefix_cache import PrefixCache
+from .sampler import HostSampler, Sampling
+
+
+class Runner:
+    """``prefiller`` None prefills through the decode step (``by_steps``); ``cache`` holds the kept
+    sequences of the KV pool; ``context`` is the most positions one request may occupy."""
+
+    def __init__(self, shared, decoder, prefiller, cache: PrefixCache, context: int, ahead: int = 8):
+        self.shared, self.decoder, self.prefiller, self.cache = shared, decoder, prefiller, cache
+        self.dims, self.context, self.ahead = shared.dims, context, ahead
+        self.cached_tokens = 0
+
+    def prefill(self, tokens: list[int], p0: int, read_token: bool = False, read_logits: bool = False) -> None:
+        """Positions [p0, p1) of the loaded sequence (p1 = p0 + len(tokens); positions before p0 hold
+        its K/V): afterwards tokens_out[p1 - 1] is the argmax after them and the device state is (that
+        token, p1, p1), as after p1 decode steps; the token / logits are copied out on request (read-back
+        slot p1 - 1)."""
+        p1 = p0 + len(tokens)
+        if self.prefiller is None:
+            by_steps(self.decoder, tokens, p0, read_token, read_logits)
+            return
+        self.shared.reset(int(tokens[-1]), p1 - 1, p1 - 1)   # the lm_head below is "step p1 - 1"
+        self.decoder.lm_head(self.prefiller(tokens, p0))
+        self.shared.read_back(p1 - 1, read_token, read_logits)
+
+    def reserve(self, total: int) -> None:
+        """Load pages for a fresh sequence of ``total`` positions, dropping every kept sequence (warm-up
+        and tests that drive the steps themselves); the next request may reuse the pages."""
+        self.shared.drain()
+        self.cache.clear()
+        lease = self.cache.start([], total)
+        self.shared.kv.load(lease.pages, self.shared.stream)
+        self.cache.keep(lease, [])
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 logits: bool = False):
+        """Iterator of the ``max_new_tokens`` tokens after ``prompt`` ((token, logits) pairs with
+        ``logits``); a bad request raises ContextError here, before anything runs."""
+        check_request(self.dims, prompt, max_new_tokens, self.context)
+        return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
+
+    def _run(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, logits: bool):
+        sh, dec = self.shared, self.decoder
+        P, total = len(prompt), len(prompt) + max_new_tokens - 1
+        greedy, host = sampling.greedy, logits or not sampling.greedy
+        sample = HostSampler(sampling)
+        with self.cache.request(prompt, total) as lease:
+            self.cached_tokens = lease.reused
+            launched, gen, clean = lease.reused, [], False   # positions the enqueued work writes
+            try:
+                sh.drain()   # the previous request's work is done before its table is replaced
+                sh.kv.load(lease.pages, sh.stream)
+                self.prefill(prompt[lease.reused:], lease.reused, read_token=greedy, read_logits=host)
+                launched = P
+                for k in range(P - 1, total):
+                    if host and k >= launched:
+                        dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
+                        launched += 1
+                    while not host and launched < min(total, k + 1 + self.ahead):
+                        dec.step(launched, read_token=True)
+                        launched += 1
+                    sh.wait_step(k)
+                    row = sh.logits() if host else None
+                    gen.append(int(sh.tok_out[k]) if greedy else sample(row))
+                    yield (gen[-1], row) if logits else gen[-1]
+                clean = True
+            except GeneratorExit:   # closed early: the steps launched ahead still drain
+                clean = True
+                raise
+            finally:
+                sh.drain()
+                if clean:   # the kernels' error flags, unless another error is already on its way out
+                    sh.check_errors()
+                    lease.tokens = prompt + (sh.tok_out[P - 1:launched - 1].tolist() if greedy else gen[:launched - P])
