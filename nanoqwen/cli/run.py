@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from .. import NanoqwenError
 from ..backends import BACKENDS, open_engine
 
 
