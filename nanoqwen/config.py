@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,3 +180,14 @@ def load(path: str | Path | None = None) -> Config:
 def default() -> Config:
     """The packaged config, loaded once per process."""
     return load()
+
+
+CACHE_ENV = "NANOQWEN_CACHE_DIR"
+
+
+def cache_root(cfg: Codegen | None = None) -> Path:
+    """Where writable state lives (kernel cache, packed models, tuner progress, the user's tuned results):
+    $NANOQWEN_CACHE_DIR, else ``codegen.cache_dir`` of the config (``~/.cache/nanoqwen``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path((cfg or default().codegen).cache_dir).expanduser()

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import NanoqwenError
 
-if TYPE_CHECKING:
-    from .config import Codegen
-
 PACKAGE_DIR = Path(str(importlib.resources.files(__package__)))
-CACHE_ENV = "NANOQWEN_CACHE_DIR"
 
 
 def checkout() -> Path | None:
@@ -47,12 +41,3 @@ def data_path(*parts: str) -> Path:
     """A file or folder of the package data, e.g. ``data_path("config", "nanoqwen.yaml")``."""
     return data_dir().joinpath(*parts)
 
-
-def cache_root(cfg: Codegen | None = None) -> Path:
-    """$NANOQWEN_CACHE_DIR, else the config's ``codegen.cache_dir`` (``~/.cache/nanoqwen``)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    if cfg is None:
-        from .config import default  # lazily: the config file itself is found through this module
-        cfg = default().codegen
-    return Path(cfg.cache_dir).expanduser()

@@ -170,6 +170,8 @@ def load(model: str | Path, override_dir: str | Path | None = None) -> Tokenizer
     validated before anything else, so a bad file reports its own error) or a HF directory; ``override_dir``, a
     HF directory, replaces the tokenizer the model brings (needed where a file stores none: format version 1,
     random weights)."""
+    if override_dir is not None and not (Path(override_dir) / "tokenizer.json").is_file():
+        raise TokenizerError(f"--tokenizer {override_dir}: no tokenizer.json in that directory")
     model = Path(model)
     if model.is_dir():
         return Tokenizer(override_dir or model)

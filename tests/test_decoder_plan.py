@@ -23,7 +23,7 @@ from nanoqwen.runtime import prefill as prefill_mod
 from nanoqwen.runtime import state as state_mod
 from nanoqwen.runtime import weights as weights_mod
 from nanoqwen.reference import Reference
-from nanoqwen.reference import Weights as ReferenceWeights
+from nanoqwen.reference import Fp32Weights as ReferenceWeights
 from nanoqwen.runtime.paged_kv import KVLayout, PageTable
 from nanoqwen.runtime.prefix_cache import PrefixCache
 from nanoqwen.runtime.runner import Runner
@@ -418,6 +418,7 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
 
     class Props:
         name, total_mem, free_mem, compute_capability = "Fake H200", 1 << 40, 1 << 40, (9, 0)
+        sm_count, max_smem_optin = 132, 227 * 1024
 
     class Fn(FakeFn):
         def launch(self, launch, stream=None, pdl=False, **args):
@@ -428,7 +429,7 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     fake_runner(nqfile, monkeypatch)   # the fake driver in the parts' modules
     monkeypatch.setattr(session_mod, "driver", fake)
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
-    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None: FakeWeights(f))
+    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None, verify=True: FakeWeights(f))
     monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
     s = session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
     d = nqfile.dims

@@ -16,7 +16,7 @@ from nanoqwen.reference import Reference
 from nanoqwen.runtime.generate import ContextError
 from nanoqwen.runtime.prefix_cache import common_prefix
 from nanoqwen.runtime.sampler import Sampling
-from nanoqwen.tokenizer import Tokenizer
+from nanoqwen import tokenizer
 
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 MORE = "\n\ndef main():\n    print("
@@ -26,8 +26,8 @@ MORE = "\n\ndef main():\n    print("
 def packed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
-        path, tok_dir = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
-    return path, Tokenizer(tok_dir)
+        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
+    return path, tokenizer.load(path)
 
 
 def cold(path, prompt, n, **kw):

@@ -11,14 +11,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nanoqwen import paths
+from nanoqwen import config
 
 TESTS = Path(__file__).resolve().parent
 
 INNER = '''
 from hypothesis import given, strategies as st
 
-from nanoqwen import codegen, paths
+from nanoqwen import codegen, config
 from nanoqwen.codegen.kernels.copy import CopySpec
 
 @given(st.integers())
@@ -27,13 +27,13 @@ def test_hypothesis_keeps_its_files_out_of_the_cwd(n):
 
 def test_build_writes_the_cache():
     built = codegen.build(CopySpec())
-    assert built.path.is_file() and built.path.is_relative_to(paths.cache_root())
-    print(f"CACHE_ROOT={paths.cache_root()}")
+    assert built.path.is_file() and built.path.is_relative_to(config.cache_root())
+    print(f"CACHE_ROOT={config.cache_root()}")
 '''
 
 
 def test_this_run_uses_a_temporary_cache_root():
-    root, chosen = paths.cache_root(), os.environ.get("NANOQWEN_TEST_CACHE_DIR")
+    root, chosen = config.cache_root(), os.environ.get("NANOQWEN_TEST_CACHE_DIR")
     if chosen:
         assert root == Path(chosen)
     else:

@@ -46,6 +46,6 @@ def test_missing_package_data_is_one_line(tmp_path, package_at):
 
 def test_cache_root_is_the_env_else_the_config(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
-    assert paths.cache_root() == tmp_path
+    assert config.cache_root() == tmp_path
     monkeypatch.delenv("NANOQWEN_CACHE_DIR")
-    assert paths.cache_root() == Path(config.default().codegen.cache_dir).expanduser()
+    assert config.cache_root() == Path(config.default().codegen.cache_dir).expanduser()

@@ -16,7 +16,7 @@ from nanoqwen.modelcache import resolve
 from nanoqwen.reference import Reference
 from nanoqwen.runtime.generate import generate
 from nanoqwen.runtime.sampler import Sampling
-from nanoqwen.tokenizer import Tokenizer
+from nanoqwen import tokenizer
 
 MODEL = testmodels.SMALL_PY_DIR
 PROMPT = "def fibonacci(n):"
@@ -32,8 +32,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed(cache_dir):
-    path, tok_dir = resolve(MODEL, log=lambda m: None)
-    return path, Tokenizer(tok_dir)
+    path = resolve(MODEL, log=lambda m: None)
+    return path, tokenizer.load(path)
 
 
 def run_cli(capsys, *argv):
@@ -150,10 +150,9 @@ def test_pack_cache_is_content_keyed(tmp_path, monkeypatch):
     model = tmp_path / "m"
     shutil.copytree(MODEL, model)
     logs = []
-    first, tok_dir = resolve(model, log=logs.append)
-    again, _ = resolve(model, log=logs.append)
+    first = resolve(model, log=logs.append)
+    again = resolve(model, log=logs.append)
     assert first == again and len(logs) == 1, "an unchanged checkpoint must not be repacked"
-    assert (first.parent / "tokenizer.json").exists() and tok_dir == model
     (model / "generation_config.json").write_text((model / "generation_config.json").read_text() + "\n")
-    edited, _ = resolve(model, log=logs.append)
+    edited = resolve(model, log=logs.append)
     assert edited != first and len(logs) == 2, "an edited checkpoint must be repacked under a new key"

@@ -83,7 +83,7 @@ def test_cache_key_covers_every_stored_tokenizer_file(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path / "cache"))
     hf = tmp_path / "hf"
     shutil.copytree(testmodels.SMALL_PY_DIR, hf)
-    first = resolve(hf, log=lambda m: None)[0]
+    first = resolve(hf, log=lambda m: None)
     (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    second = resolve(hf, log=lambda m: None)[0]
+    second = resolve(hf, log=lambda m: None)
     assert second != first and NanoqwenFile(second).blob("chat_template.jinja") is not None

@@ -17,7 +17,7 @@ from _serve_util import fim_model_dir, greedy, server as start_server
 from nanoqwen.backends import open_engine
 from nanoqwen.modelcache import resolve
 from nanoqwen.serve import prompts
-from nanoqwen.tokenizer import Tokenizer
+from nanoqwen import tokenizer
 
 PROMPT = "def fibonacci(n):"
 CONTEXT = 4096   # the server's default for this model (its max_positions)
@@ -41,9 +41,9 @@ def local(model, backend):
     model_dir, cache = model
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOQWEN_CACHE_DIR", str(cache))
-        path, tok_dir = resolve(model_dir, log=lambda m: None)
+        path = resolve(model_dir, log=lambda m: None)
         engine = open_engine(backend, path, CONTEXT, log=lambda m: None)
-    tok = Tokenizer(tok_dir)
+    tok = tokenizer.load(path)
     yield engine, tok, prompts.stop_ids(tok)
     if hasattr(engine, "close"):
         engine.close()

@@ -20,7 +20,7 @@ from nanoqwen.backends import ReferenceEngine
 from nanoqwen.modelcache import resolve
 from nanoqwen.serve.prompts import stop_ids
 from nanoqwen.testmodels import SMALL_PY_DIR
-from nanoqwen.tokenizer import Tokenizer
+from nanoqwen import tokenizer
 
 MAX_NEW = 6
 
@@ -39,8 +39,8 @@ def chat(cache, *args, **kw):
 
 def test_turns_clear_and_exit(cache, monkeypatch):
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(cache))
-    path, tok_dir = resolve(SMALL_PY_DIR, log=lambda m: None)
-    tok, engine = Tokenizer(tok_dir), ReferenceEngine(path, 4096)
+    path = resolve(SMALL_PY_DIR, log=lambda m: None)
+    tok, engine = tokenizer.load(path), ReferenceEngine(path, 4096)
     stop = stop_ids(tok)
 
     def answer(messages):

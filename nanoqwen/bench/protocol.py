@@ -45,12 +45,11 @@ def config_hash(cfg: config.Config) -> str:
 def synthetic_7b(cfg: config.Config, log=print) -> Path:
     """The random-weight Qwen2.5-7B (exact shapes), packed once into the cache; the name hashes the seed,
     the dims, the quant settings and the format version, so a format change repacks."""
-    from ..paths import cache_root
     from ..pack import pack_random, total_random_bytes
     from ..progress import Progress
     key = hashlib.sha256(json.dumps([SYNTHETIC_SEED, QWEN25_7B.to_dict(), dataclasses.asdict(cfg.quant), VERSION],
                                     sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_root(cfg.codegen) / "models" / f"random-7b-seed{SYNTHETIC_SEED}-{key}" / "model.nanoqwen"
+    path = config.cache_root(cfg.codegen) / "models" / f"random-7b-seed{SYNTHETIC_SEED}-{key}" / "model.nanoqwen"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         log(f"packing the synthetic 7B (random weights, seed {SYNTHETIC_SEED}) -> {path}")
@@ -65,7 +64,7 @@ def resolve_model(model: str, cfg: config.Config, log=print) -> Path:
     if model == "7b":
         return synthetic_7b(cfg, log)
     from ..modelcache import resolve
-    return resolve(model, cfg=cfg, log=log)[0]
+    return resolve(model, cfg=cfg, log=log)
 
 
 def model_info(f: NanoqwenFile) -> dict:

@@ -18,7 +18,6 @@ from pathlib import Path
 from .. import codegen, config
 from ..codegen import kernels, nvrtc, resources
 from ..codegen.cache import STATS
-from ..paths import cache_root
 from ..codegen.spec import SpecError, parse_params
 from ..dims import QWEN25_7B, DimsError, ModelDims
 from .args import parser
@@ -123,7 +122,7 @@ def _build_all(specs):
     t0 = time.perf_counter()
     built = codegen.build_many(specs, progress=codegen.ProgressLine())
     print(f"{len(built)} kernels in {time.perf_counter() - t0:.1f} s ({STATS.hits} cached, {STATS.misses} "
-          f"compiled, NVRTC {nvrtc.version()}, cache {cache_root()})", file=sys.stderr)
+          f"compiled, NVRTC {nvrtc.version()}, cache {config.cache_root()})", file=sys.stderr)
     return built
 
 

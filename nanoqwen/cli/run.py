@@ -65,7 +65,7 @@ def run(args) -> int:
 
     _check_args(args)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
-    path = resolve(args.model, log=_log)[0]
+    path = resolve(args.model, log=_log)
     tok = tokenizer.load(path, args.tokenizer)
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

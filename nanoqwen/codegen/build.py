@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import config, paths
+from .. import config
 from . import cache, nvrtc, resources
 from .render import render
 from .spec import KernelSpec, Launch, SpecError
@@ -37,7 +37,7 @@ def build(spec: KernelSpec, cfg: config.Codegen | None = None) -> Built:
     options = nvrtc.full_options(cfg.arch, cfg.nvrtc_options)
     headers = nvrtc.headers()
     key = cache.key(source, headers, options, nvrtc.version(), cfg.arch)
-    entry = cache.Entry.at(paths.cache_root(cfg) / cfg.arch, spec.uri, key)
+    entry = cache.Entry.at(config.cache_root(cfg) / cfg.arch, spec.uri, key)
     launch = spec.launch()
     hit = entry.load()
     res = _cached_resources(hit[1]) if hit else None

@@ -16,7 +16,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from .. import NanoqwenError, paths
+from .. import NanoqwenError, config, paths
 
 FORMAT = 1
 
@@ -34,7 +34,7 @@ def shipped_path() -> Path:
 
 
 def user_path() -> Path:
-    return paths.cache_root() / "tune" / "tuned.json"
+    return config.cache_root() / "tune" / "tuned.json"
 
 
 def repo_path() -> Path:

@@ -60,7 +60,7 @@ class EngineSource:
         from ..runtime.generate import check_request
 
         from .. import tokenizer as tokenizers
-        path = resolve(model, log=log)[0]
+        path = resolve(model, log=log)
         self.tok = tokenizers.load(path, tokenizer)
         longest = max((self._encode(r) for r in requests), key=len)
         context = len(longest) + max_tokens

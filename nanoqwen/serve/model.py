@@ -14,7 +14,7 @@ def tokenizer_for(model: str, tokenizer_dir: str | None, log):
     """(.nanoqwen path, Tokenizer): MODEL is a .nanoqwen file or a HF directory (packed on first use)."""
     from .. import tokenizer
     from ..modelcache import resolve
-    path = resolve(model, log=log)[0]
+    path = resolve(model, log=log)
     return path, tokenizer.load(path, tokenizer_dir)
 
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .. import codegen, config, paths
+from .. import codegen, config
 from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase
 from ..codegen import tuned
@@ -27,7 +27,7 @@ class _Progress:
     """uri -> result of every candidate already judged on this GPU (resumability)."""
 
     def __init__(self, gpu: str):
-        directory = paths.cache_root() / "tune" / "progress"
+        directory = config.cache_root() / "tune" / "progress"
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / (gpu.replace(" ", "_").replace("/", "_") + ".json")
         try:
