@@ -103,7 +103,7 @@ def encode_files(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def chat_examples(texts: list[str], chat_tok) -> list[list[int]]:
-    """One conversation per documented top-level function or method (source <= 1500 characters)."""
+    """One conversation per documented public function or method (source <= 1500 characters)."""
     out = []
     for text in texts:
         with warnings.catch_warnings():
