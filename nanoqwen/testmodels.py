@@ -20,7 +20,10 @@ from . import extras, paths
 from .dims import ModelDims
 
 SMALL_PY_DIR = paths.PACKAGE_DIR.parent / "tests" / "data" / "small-py"  # in a source checkout only
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-Coder's special tokens by name, in its relative order (ids 0..8 here): end of text, ChatML turns,
+# fill-in-the-middle (prefix-suffix-middle order) and repository-level file separators.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+                  "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # Qwen2.5-Instruct's ChatML template (system default, tools block, tool calls and tool responses), so the
@@ -92,10 +95,13 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def stdlib_sources() -> list[Path]:
-    """The standard library's .py files (not its test suites), sorted, so the corpus order is fixed."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "idlelib", "__pycache__"}
+def stdlib_sources(root: str | Path | None = None, tests: bool = False) -> list[Path]:
+    """The standard library's .py files (by default this interpreter's, without its test suites), sorted, so
+    the corpus order is fixed."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "idlelib", "__pycache__"}
+    if not tests:
+        skip |= {"test", "tests", "idle_test"}
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
@@ -105,7 +111,7 @@ def read_sources(paths) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int = 2048):
     """Byte-level BPE like Qwen2's (NFC, Qwen2 split regex, byte-level alphabet); the special tokens take
-    ids 0..2. Deterministic for a fixed corpus."""
+    ids 0..8. Deterministic for a fixed corpus."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -127,7 +133,7 @@ def tokenizer_config() -> dict:
         "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
                                           "normalized": False, "single_word": False} for t, i in ids.items()},
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
         "model_max_length": 32768, "clean_up_tokenization_spaces": False, "split_special_tokens": False,
         "chat_template": CHAT_TEMPLATE,
     }

@@ -276,13 +276,18 @@ def test_logits_vs_transformers(models, name, fp16):
     assert np.array_equal(pre.argmax(-1), hpre.argmax(-1)) or fp16  # fp32: even near-ties agree
 
 
-def test_decode_equals_prefill(models):
-    """Step-by-step decode through the fp16 KV cache gives the logits of one prefill over the sequence."""
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_decode_equals_prefill(models, fp16):
+    """Step-by-step decode through the KV cache gives the logits of one prefill over the sequence. The two
+    paths sum in different orders; in the fp16 contract mode a sum that lands on the other side of an fp16
+    rounding moves the trained model's logits by up to ~2.3e-4 of their peak (measured), so that mode is
+    held to the contract's tolerance and fp32 mode to summation-order noise."""
     w, _, prompt = models["small-py"]
-    ref = Reference(w, max_seq=512)
+    ref = Reference(w, fp16=fp16, max_seq=512)
     pre, dec, steps = ref_logits(ref, prompt[:40], 6)
     full = ref.prefill(prompt[:40] + steps)
-    np.testing.assert_allclose(dec, full[40:], rtol=0, atol=1e-4 * np.abs(full).max())
+    tol = config.default().validation.reference_vs_transformers_rel if fp16 else FP32_REL
+    np.testing.assert_allclose(dec, full[40:], rtol=0, atol=tol * np.abs(full).max())
 
 
 def test_trace_and_kv_cache(models):

@@ -97,6 +97,26 @@ def test_chat_template(capsys, packed):
     assert not out.startswith("Write a sort"), "a chat reply must not echo the prompt"
 
 
+def test_chat_reply_is_a_code_block(capsys):
+    """The model was trained on a few ChatML conversations: it answers a request for code with a ```python
+    block and ends its turn with <|im_end|> by itself."""
+    rc, out, err = run_cli(capsys, "--chat", "write a python function that reverses a list", "--max-new-tokens", "256")
+    assert rc == 0 and stats(err)["stop"] == "eos"
+    assert out.startswith("```python\n") and out.rstrip().endswith("```"), out
+
+
+def test_fill_in_the_middle(capsys):
+    """The model fills a middle (Qwen2.5-Coder's prefix-suffix-middle format, special tokens written by
+    name) and ends it with <|endoftext|> by itself. A 3.8M-parameter model's middle is Python-shaped, not
+    necessarily right, so its content is not judged here."""
+    prefix = "import os\n\ndef list_python_files(path):\n    result = []\n    for name in os.listdir(path):\n"
+    prompt = f"<|fim_prefix|>{prefix}<|fim_suffix|>    return result\n<|fim_middle|>"
+    rc, out, err = run_cli(capsys, "--prompt", prompt, "--max-new-tokens", "64")
+    assert rc == 0 and stats(err)["stop"] == "eos" and out.startswith(prompt)
+    middle = out[len(prompt):-1]
+    assert middle.strip() and "<|" not in middle, middle
+
+
 def test_sampling_reproducible_with_seed(capsys):
     args = ("--prompt", PROMPT, "--max-new-tokens", "16", "--temperature", "0.9", "--top-p", "0.95")
     a = run_cli(capsys, *args, "--seed", "7")

@@ -20,7 +20,8 @@ from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
 
 DIR = testmodels.SMALL_PY_DIR
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café — 中文字符 and emoji 😀👍🏽 ∑ ≠ €",
-         "<|im_start|>user\nhi<|im_end|>\n", "  leading spaces\ttabs\r\nCRLF", ""]
+         "<|im_start|>user\nhi<|im_end|>\n", "<|fim_prefix|>def f(<|fim_suffix|>)\n<|fim_middle|>x<|endoftext|>",
+         "  leading spaces\ttabs\r\nCRLF", ""]
 CHATS = [
     [{"role": "user", "content": "Write a function that reverses a list."}],
     [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a dict"},
