@@ -82,11 +82,14 @@ class GemvInt4:
 @dataclass(frozen=True)
 class Prefill:
     chunk_tokens: int
+    small_m_tokens: int
 
     def __post_init__(self):
         # the prefill kernels' grids cover 1..4096 rows per launch (codegen/kernels/gemm.py: max_m)
         if not 1 <= self.chunk_tokens <= 4096:
             raise ConfigError(f"prefill.chunk_tokens must be in 1..4096, got {self.chunk_tokens}")
+        if not 0 <= self.small_m_tokens <= 4096:
+            raise ConfigError(f"prefill.small_m_tokens must be in 0..4096, got {self.small_m_tokens}")
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambd
     layout = KVLayout.for_model(d, cfg, capacity, kv_tokens)
     rope = (np.zeros((capacity, d.head_dim // 2), np.float32),) * 2
     shared = state_mod.SequenceState(d, FakeWeights(nqfile), FakeKV(layout), rope, capacity, slots=ahead + 2)
-    pre = prefill_mod.Prefiller(shared, kernels, chunk) if chunk else None
+    pre = prefill_mod.Prefiller(shared, kernels, chunk, cfg.prefill.small_m_tokens) if chunk else None
     cache = PrefixCache(layout.num_pages, layout.page_size)
     return Runner(shared, decoder_mod.Decoder(shared, kernels), pre, cache, capacity, ahead)
 

@@ -1,6 +1,7 @@
 """Prefill kernels on the CPU (no GPU): the INT4 tensor-core GEMM, the prefill RMSNorm, RoPE append and
-causal flash attention render and compile for sm_90a for the 7B and tiny-model dims plus the non-default
-variants (f16 epilogue, bk 128, 2 CTAs/SM tile, split-K, attention split=False), with zero spills and no local memory; the
+causal flash attention render and compile for sm_90a for the 7B and tiny-model dims (GEMMs with the default
+and the small-M tiles) plus the non-default variants (f16 epilogue, bk 128, 2 CTAs/SM tile, split-K,
+attention split=False), with zero spills and no local memory; the
 SASS of every tensor-core kernel holds HMMA (mma.sync) and no local loads/stores; bad specs are rejected
 with a message naming the field; launch grids follow M / n."""
 
@@ -14,7 +15,7 @@ from nanoqwen import config
 from nanoqwen.codegen import resources
 from nanoqwen.codegen.kernels import attention_prefill as AP
 from nanoqwen.codegen.kernels import gemm as G
-from nanoqwen.codegen.spec import SpecError
+from nanoqwen.codegen.spec import Launch, SpecError
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.testmodels import tiny_dims
 
@@ -69,6 +70,11 @@ def test_gemm_launch_follows_m():
     assert s.launch(1).smem == 4 * (128 * 64 * 2 + 128 * 64 // 2)
     gu = G.model_gemms(QWEN25_7B)["gate_up"]
     assert gu.n == 2 * 18944 and gu.epilogue == "swiglu"
+    small = G.model_gemms(QWEN25_7B, small_m=True)
+    assert small["qkv"].launch(32) == Launch(grid=(4608 // 32, 2, 1), block=(128, 1, 1),
+                                             smem=4 * (16 * 128 * 2 + 32 * 128 // 2))
+    assert small["down"].launch(1).grid == (3584 // 32, 1, 1) and small["down"].launch(64).grid == (112, 4, 1)
+    assert {s.uri for s in small.values()}.isdisjoint(s.uri for s in G.model_gemms(QWEN25_7B).values())
 
 
 def test_attention_launch_follows_n():

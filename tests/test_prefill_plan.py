@@ -24,7 +24,8 @@ PER_LAYER = ["rmsnorm", "qkv", "rope_append", "attention", "o_proj", "rmsnorm", 
 # prefill kernels without weights: under PDL nothing global may be read before griddepcontrol.wait (the
 # GEMMs' weight prefetch before it is by design; their X copies come after it in the source)
 NO_WEIGHTS = {role: spec for role, spec in prefill_mod.prefill_specs(QWEN25_7B, config.default()).items()
-              if role.removeprefix("prefill.") not in gemm.model_gemms(QWEN25_7B)}
+              if not isinstance(spec, gemm.GemmInt4Spec)}
+SMALL_M = config.default().prefill.small_m_tokens
 
 
 @pytest.mark.parametrize("P", [1, 15, 16, 17, 100, 511, 512, 513, 600, 1024, 1025])
@@ -98,7 +99,7 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     assert int(sh.bufs.argmax_done.mem.view(np.uint32)[0]) == 0
 
     roles = [r for r, *_ in log]
-    assert roles == (["prefill.embed"] + ["prefill." + r for r in PER_LAYER] * d.layers) * len(plan) + ["lm_head"]
+    assert roles == [role for _, n in plan for role in chunk_roles(n, d.layers)] + ["lm_head"]
     b, hid = pre.bufs, d.hidden
     k = 0
     for c0, n in plan:
@@ -143,6 +144,44 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     want = dict(dec.sequence[-1][3], h=b.h.ptr + 4 * hid * (P - 1 - plan[-1][0]))
     assert args == want and launch == kernels["lm_head"][0].launch()
     assert inside(args["h"], 4 * hid) and args["h"] + 4 * hid <= b.h.ptr + 4 * hid * plan[-1][1]
+
+
+def chunk_roles(n: int, layers: int, small_m: int = SMALL_M) -> list[str]:
+    """The roles one chunk of n tokens launches: its GEMMs small-M ones up to small_m rows."""
+    gemms = set(gemm.model_gemms(QWEN25_7B))
+    per_layer = [("small." if r in gemms and n <= small_m else "") + r for r in PER_LAYER]
+    return ["prefill.embed"] + ["prefill." + r for r in per_layer] * layers
+
+
+@pytest.mark.parametrize("small_m", [0, 16, 64, 512])
+def test_chunks_pick_their_gemm_tiles(nqfile, monkeypatch, small_m):
+    """Chunks of at most prefill.small_m_tokens rows launch the small-M GEMMs, longer ones the default
+    tiles (0: never small); 100 tokens in chunks of 32 are chunks of 32, 32, 32 and 4."""
+    log = []
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=32, fn=lambda role, spec: RecFn(role, log))
+    run.prefiller.small_m_tokens = small_m
+    run.prefill(list(range(1, 101)), 0, read_token=True)
+    assert [r for r, *_ in log] == [r for n in (32, 32, 32, 4) for r in chunk_roles(n, nqfile.dims.layers, small_m)] \
+        + ["lm_head"]
+    kernels = run.decoder.kernels
+    for role, launch, _, args in log:
+        if isinstance(kernels[role][0], gemm.GemmInt4Spec):
+            assert launch == kernels[role][0].launch(args["m"])
+            assert role.startswith("prefill.small.") == (args["m"] <= small_m), role
+
+
+def test_small_m_tiles_fill_the_gpu():
+    """7B at M = 32: the small-M tiles give every GEMM role >= 224 CTAs (132 SMs), the default tiles
+    N/128; both variants are in the kernel table."""
+    specs = prefill_mod.prefill_specs(QWEN25_7B, config.default())
+    ctas = {r: specs["prefill.small." + r].launch(32).grid for r in gemm.model_gemms(QWEN25_7B)}
+    assert ctas == {"qkv": (144, 2, 1), "o_proj": (112, 2, 1), "gate_up": (296, 2, 1), "down": (112, 2, 1)}
+    assert {r: specs["prefill." + r].launch(32).grid[0] for r in ctas} == {"qkv": 36, "o_proj": 28, "gate_up": 296,
+                                                                          "down": 28}
+    for r in ctas:   # same GEMM, other tiles
+        big, small = specs["prefill." + r], specs["prefill.small." + r]
+        assert (small.n, small.k, small.epilogue, small.bias) == (big.n, big.k, big.epilogue, big.bias)
+        assert (small.bm, small.bn, small.split_k) == (16, 128 if r == "gate_up" else 32, 1)
 
 
 def at_tokens(ptr: int, n: int) -> list[int]:

@@ -10,6 +10,7 @@ kernel waits before touching what its predecessor wrote):
   per layer       rmsnorm_prefill -> gemm qkv (+bias, f32) -> rope_append_prefill (q_rot; k, v into the
                   pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
                   -> rmsnorm_prefill -> gemm gate/up (SwiGLU, a16) -> gemm down (h +=)
+                  (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail)
 Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
 Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
 runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
@@ -29,15 +30,27 @@ from . import driver
 from .driver import check, cu
 from .memory import Buffers
 
+SMALL = "small."   # role prefix of the small-M GEMMs
+
 
 def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     """Role -> kernel spec of the prefill chain; roles are prefixed ``prefill.`` so they sit beside the
-    decode step's roles (runtime/decoder.py step_specs) in one kernel table."""
+    decode step's roles (runtime/decoder.py step_specs) in one kernel table. Each GEMM comes twice:
+    ``prefill.<role>`` with the default tiles and ``prefill.small.<role>`` with gemm.SMALL_M_TILES for
+    chunks of at most ``prefill.small_m_tokens`` rows."""
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
     rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
+    g = cfg.quant.group_size
     return {"prefill.embed": embed_prefill.specs_for_model(dims, cfg)[0], "prefill.rmsnorm": norm,
-            **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, cfg.quant.group_size, profile).items()},
+            **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, g, profile).items()},
+            **{f"prefill.{SMALL}{r}": s for r, s in gemm.model_gemms(dims, g, profile, small_m=True).items()},
             "prefill.rope_append": rope, "prefill.attention": attn}
+
+
+def gemm_role(role: str, rows: int, small_m_tokens: int) -> str:
+    """The GEMM role (``qkv``, ``o_proj``, ``gate_up``, ``down``) a chunk of ``rows`` tokens launches: its
+    small-M variant up to small_m_tokens rows."""
+    return SMALL + role if rows <= small_m_tokens else role
 
 
 def chunks(p0: int, p1: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -72,11 +85,12 @@ def buffer_bytes(dims, chunk_tokens: int, capacity: int) -> dict[str, int]:
 class Prefiller:
     """``shared`` is the runtime.state.SequenceState it runs over (weights, KV cache, rope tables, stream,
     error flags); ``kernels`` holds the ``prefill_specs`` roles as ``(spec, Function)``; ``capacity`` is
-    the most positions a sequence has. Never waits for the GPU."""
+    the most positions a sequence has; chunks of at most ``small_m_tokens`` rows use the small-M GEMMs.
+    Never waits for the GPU."""
 
-    def __init__(self, shared, kernels: dict, chunk_tokens: int):
+    def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
-        self.chunk_tokens, self.capacity = chunk_tokens, shared.capacity
+        self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
         self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
 
@@ -93,7 +107,8 @@ class Prefiller:
         W, kv, h = sh.weights.ptr, sh.kv, b.h
 
         def mm(role, x, w, s_, y, w2=0, s2=0, bias=0):
-            self._launch(role, n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
+            self._launch(gemm_role(role, n, self.small_m_tokens), n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias,
+                         y=y, m=n)
 
         self._launch("embed", n, tokens=tokens, embed=W("embed"), h=h, err=sh.bufs.err, n=n)
         for i in range(self.dims.layers):

@@ -77,7 +77,7 @@ class CudaSession:
         self.kv = PagedKVCache(layout)
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
                                    slots=ahead + 2)
-        self.prefiller = Prefiller(self.state, kernels, chunk) if chunked else None
+        self.prefiller = Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens) if chunked else None
         self.decoder = Decoder(self.state, kernels)
         self.runner = Runner(self.state, self.decoder, self.prefiller,
                              PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)

@@ -1,6 +1,7 @@
 """GPU unit tests of the prefill INT4 tensor-core GEMM (every epilogue) and the prefill RMSNorm against
 numpy on fresh random data each run, for the 7B and tiny-model shapes and M in {1, 7, 16, 17, 100, 512,
-4096} (the float32 numpy reference of 7B gate/up at M=4096 is ~1.1 TFLOP: seconds with a threaded BLAS).
+4096} (the float32 numpy reference of 7B gate/up at M=4096 is ~1.1 TFLOP: seconds with a threaded BLAS);
+the small-M tile variant (gemm.SMALL_M_TILES) for M in {1, 7, 16, 17, 32, 64}.
 
 - Weights: random normal, quantized and packed by nanoqwen.quant (the .nanoqwen layout); the reference
   uses the exact dequantized weight `q * f32(scale)` and float32 numpy matmul.
@@ -28,6 +29,7 @@ CFG = config.default()
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
 ROLES = ("qkv", "o_proj", "gate_up", "down")
 MS = (1, 7, 16, 17, 100, 512, 4096)
+SMALL_MS = (1, 7, 16, 17, 32, 64)   # the small-M tiles serve chunks of up to prefill.small_m_tokens rows
 GEMM_TOL, F16_TOL, NORM_TOL = 1e-3, 2e-3, 2e-3
 
 
@@ -38,7 +40,8 @@ def rel_err(out, ref) -> float:
 
 @pytest.fixture(scope="module")
 def fns():
-    specs = [s for d in MODELS.values() for s in G.model_gemms(d, CFG.quant.group_size).values()]
+    specs = [s for d in MODELS.values() for small in (False, True)
+             for s in G.model_gemms(d, CFG.quant.group_size, small_m=small).values()]
     specs += [G.RmsnormPrefillSpec(hidden=d.hidden, eps=d.rms_eps, threads=G.rmsnorm_threads(d.hidden))
               for d in MODELS.values()]
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
@@ -92,13 +95,15 @@ class Gemm:
         return b["y"].download(dtype=dtype, shape=(m, spec.n)), ref
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["tiles", "small-m-tiles"])
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("role", ROLES)
-def test_gemm_int4(fns, model, role):
-    spec = G.model_gemms(MODELS[model], CFG.quant.group_size)[role]
-    g = Gemm(spec, np.random.default_rng(), max(MS))
+def test_gemm_int4(fns, model, role, small):
+    spec = G.model_gemms(MODELS[model], CFG.quant.group_size, small_m=small)[role]
+    ms = SMALL_MS if small else MS
+    g = Gemm(spec, np.random.default_rng(), max(ms))
     tol = F16_TOL if spec.epilogue in ("swiglu", "f16") else GEMM_TOL
-    for m in MS:
+    for m in ms:
         out, ref = g.run(fns[spec], m)
         what = f"{model} {role} {spec.uri} M={m}"
         assert np.isfinite(out).all(), f"{what}: {np.size(out) - np.isfinite(out).sum()} non-finite outputs"

@@ -4,7 +4,9 @@
   untouched (poisoned), out-of-range ids clamped and flagged;
 * on the trained small-py model (realistic top-1 margins) for prompt lengths 1, 15, 16, 17, 100 and 600
   (> the 512-token chunk, ending mid-page), with the configured chunk and with small chunks that end
-  mid-page (16, 40): the last prompt token's logits against the INT4 simulation (Reference.prefill), the
+  mid-page (16, 40; chunks of <= prefill.small_m_tokens rows run the small-M GEMM tiles, so 1..17-token
+  prompts and these chunks do, and 40-token chunks once more with the default tiles): the last prompt
+  token's logits against the INT4 simulation (Reference.prefill), the
   fused argmax, the device state handed to decode ((token, P, P, 0)), and every layer's K/V pages for
   positions 0..P-1 against the simulation's fp16 cache; chunk buffers and logits are poisoned first;
 * generation through CudaSession.generate (what the bench's TTFT measures), prefill + free-running
@@ -144,14 +146,16 @@ def check_prefill(session, ref, pre, prompt, what: str) -> int:
     return token
 
 
-@pytest.mark.parametrize("chunk", [None, 16, 40], ids=["config-chunk", "chunk16", "chunk40"])
+@pytest.mark.parametrize("chunk,small_m", [(None, None), (16, None), (40, None), (40, 0)],
+                         ids=["config-chunk", "chunk16", "chunk40", "chunk40-big-tiles"])
 @pytest.mark.parametrize("P", LENGTHS)
-def test_prefill_matches_simulation(sessions, references, corpus, P, chunk):
+def test_prefill_matches_simulation(sessions, references, corpus, P, chunk, small_m):
     s, ref = sessions("small-py", context=CONTEXT), references("small-py")
     assert s.prefiller is not None and s.runner.prefiller is s.prefiller
     if chunk is not None and chunk >= P:
         pytest.skip("one chunk: the config-chunk case covers it")
-    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk)
+    small_m = s.prefiller.small_m_tokens if small_m is None else small_m
+    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk, small_m)
     try:
         check_prefill(s, ref, pre, window(corpus, fresh_rng(), P),
                       f"small-py P={P} chunk={pre.chunk_tokens}")
@@ -186,7 +190,8 @@ def test_generate_token_match(sessions, references, corpus):
 @pytest.mark.parametrize("chunk", [None, 48], ids=["config-chunk", "chunk48"])
 def test_7b_shapes_prefill(sessions, references, chunk):
     s, ref = sessions("7b-shapes"), references("7b-shapes")
-    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk)
+    small_m = s.prefiller.small_m_tokens   # chunks of 48: the small-M tiles at the 7B's shapes
+    pre = s.prefiller if chunk is None else Prefiller(s.state, s.decoder.kernels, chunk, small_m)
     try:
         prompt = fresh_rng().integers(0, s.dims.vocab, 100).tolist()
         check_prefill(s, ref, pre, prompt, f"7b-shapes P=100 chunk={pre.chunk_tokens}")

@@ -2,7 +2,8 @@
 the trained small-py model (realistic top-1 margins):
 
 * prefilling [0, p) then [p, P) of one sequence gives the full prefill's last-position logits, token and
-  K/V pages, for split points mid-page and page-aligned;
+  K/V pages, for split points mid-page and page-aligned; parts of <= prefill.small_m_tokens tokens (an
+  editor's 32-token tail, a last token) run the small-M GEMM tiles, the 200-token whole the default ones;
 * greedy tokens with reuse equal a cold prefill's, for reused prefixes L mid-page, page-aligned, a whole
   page table away, and the same prompt again (L = P - 1); ``cached_tokens`` is exactly L;
 * a reply's tokens are reused by the next turn, after closing a stream early too (only what was
@@ -60,8 +61,8 @@ def prefill_parts(s, prompt, splits):
     return logits, token, gathered_pages(s, P)
 
 
-@pytest.mark.parametrize("splits", [(37,), (48,), (16, 17, 100), (199,)], ids=["mid-page", "page-aligned",
-                                                                                "three-parts", "last-token"])
+@pytest.mark.parametrize("splits", [(37,), (48,), (16, 17, 100), (168,), (199,)],
+                         ids=["mid-page", "page-aligned", "three-parts", "32-token-tail", "last-token"])
 def test_prefill_in_parts_equals_full_prefill(engine, corpus, splits):
     prompt = window(corpus, fresh_rng(), 200)
     full_logits, full_token, full_pages = prefill_parts(engine, prompt, ())

@@ -15,6 +15,13 @@ lets X be streamed by cp.async straight from global memory.
 ``split_k`` > 1 (residual only) spreads K over grid z with atomic fp32 adds into y: o_proj and down have
 only N/bn x M/bm CTAs (112 at M=512 on 132 SMs).
 
+``SMALL_M_TILES`` is the tile set for chunks of a few rows (a prefix-reuse tail, a short prompt): the
+default 128 x 128 tile gives M <= 128 only N/128 CTAs (28 for o_proj/down on 132 SMs), each streaming 128
+weight rows with most of its X rows empty; 16-row tiles waste at most 15 rows and bn 32 gives N/32 x
+ceil(M/16) CTAs (224 for o_proj/down at M = 32). Every CTA streams its own copy of X's rows (from L2:
+4 M / bn bytes per weight byte), so gate/up, with N/128 x 2 = 592 CTAs at M = 32 already, keeps bn 128.
+The runtime picks them for chunks of at most ``prefill.small_m_tokens`` rows.
+
 Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 ``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
 ``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
@@ -112,13 +119,21 @@ class GemmInt4Spec(KernelSpec):
         return 2 * m * self.n * self.k
 
 
-def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT) -> dict[str, GemmInt4Spec]:
-    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM)."""
-    h, qkv, kw = dims.hidden, dims.q_dim + 2 * dims.kv_dim, dict(group=group, max_smem=gpu.max_smem)
+# one warp row of 16 x 8 warp tiles; bk 128 so the 128 threads split both tile copies evenly
+SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4)
+
+
+def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT,
+                small_m: bool = False) -> dict[str, GemmInt4Spec]:
+    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM); with
+    ``small_m`` in SMALL_M_TILES, for chunks of a few rows."""
+    h, qkv = dims.hidden, dims.q_dim + 2 * dims.kv_dim
+    kw = dict(group=group, max_smem=gpu.max_smem, **(SMALL_M_TILES if small_m else {}))
+    gate_up_kw = kw | (dict(bn=128) if small_m else {})
     return {
         "qkv": GemmInt4Spec(n=qkv, k=h, epilogue="f32", bias=True, **kw),
         "o_proj": GemmInt4Spec(n=h, k=dims.q_dim, epilogue="residual", **kw),
-        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", **kw),
+        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", **gate_up_kw),
         "down": GemmInt4Spec(n=h, k=dims.intermediate, epilogue="residual", **kw),
     }
 
@@ -157,4 +172,5 @@ def rmsnorm_threads(hidden: int) -> int:
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     norm = RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, threads=rmsnorm_threads(dims.hidden))
-    return [*model_gemms(dims, cfg.quant.group_size, gpu).values(), norm]
+    return [*model_gemms(dims, cfg.quant.group_size, gpu).values(),
+            *model_gemms(dims, cfg.quant.group_size, gpu, small_m=True).values(), norm]
