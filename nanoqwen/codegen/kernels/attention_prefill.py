@@ -137,8 +137,8 @@ class AttentionPrefillSpec(KernelSpec):
         return Launch(grid=(-(-n // bq), self.heads, splits), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
 
     def splits_for(self, keys: int) -> int:
-        """KV splits of a chunk whose last row sees ``keys`` keys: 2 KV tiles or more per split."""
-        return max(1, min(self.max_splits, -(-keys // (2 * self.bkv))))
+        """KV splits of a chunk whose last row sees ``keys`` keys: 2 whole KV tiles or more per split."""
+        return max(1, min(self.max_splits, -(-keys // self.bkv) // 2))
 
     def flops(self, p0: int, n: int) -> int:
         """Useful (causal) flops: 4 * head_dim per (query, visible key) pair per head."""
