@@ -78,11 +78,11 @@ def test_gemm_launch_follows_m():
 
 
 def test_attention_launch_follows_n():
-    _, a = AP.specs_for_model(QWEN25_7B, CFG)
+    _, a = AP.prefill_attention_specs(QWEN25_7B, CFG)
     assert a.launch(1).grid == (1, 28, 1)
     assert a.launch(65).grid == (2, 28, 1)
     assert a.flops(0, 1) == 4 * 128 * 28
-    r, _ = AP.specs_for_model(QWEN25_7B, CFG)
+    r, _ = AP.prefill_attention_specs(QWEN25_7B, CFG)
     assert r.launch(17).grid == (17, 32, 1)
 
 

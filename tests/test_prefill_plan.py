@@ -54,7 +54,11 @@ def test_buffer_sizes_match_the_kernels():
     assert shapes["o16"][0] == (C, g["o_proj"].k) and shapes["h"][0] == (C, g["down"].n) == (C, g["o_proj"].n)
     acts = 4 * C * (d.hidden + d.q_dim + 2 * d.kv_dim + d.q_dim) + 2 * C * (d.hidden + d.q_dim + d.intermediate)
     assert acts == 50_855_936   # 48.5 MiB of activations for 512-token chunks of the 7B
-    assert sum(prefill_mod.buffer_bytes(d, C, 4096).values()) == acts + 4 * 4096
+    assert sum(prefill_mod.buffer_bytes(d, C, 4096, 0).values()) == acts + 4 * 4096
+    # split-KV partials: 16 splits x 64 rows x 28 heads x (128 + 2) fp32, none without short chunks
+    parts = prefill_mod.buffer_bytes(d, C, 4096, 64)
+    assert (parts["part_acc"], parts["part_ml"]) == (16 * 64 * 28 * 128 * 4, 16 * 64 * 28 * 2 * 4)
+    assert prefill_mod.buffer_bytes(d, 32, 4096, 64)["part_acc"] == 16 * 32 * 28 * 128 * 4  # rows <= chunk
 
 
 @pytest.mark.parametrize("role", NO_WEIGHTS)
@@ -103,10 +107,16 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     b, hid = pre.bufs, d.hidden
     k = 0
     for c0, n in plan:
-        for role, launch, pdl, args in log[k:k + 1 + len(PER_LAYER) * d.layers]:
+        per_layer = len(chunk_roles(n, 1)) - 1
+        split_kv = n <= SMALL_M
+        splits = kernels["prefill.small.attention"][0].splits_for(c0 + n)
+        for role, launch, pdl, args in log[k:k + 1 + per_layer * d.layers]:
             spec = kernels[role][0]
             assert pdl, f"{role} launched without PDL"
-            assert launch == spec.launch(n), f"{role}: grid {launch} for a chunk of {n}"
+            want = spec.launch(n, splits) if role == "prefill.small.attention" else spec.launch(n)
+            assert launch == want, f"{role}: grid {launch} for a chunk of {n}"
+            if role == "prefill.small.attention_combine":
+                assert args["splits"] == splits
             assert set(args) == {name for name, _ in spec.signature}, role
             for name, kind in spec.signature:
                 v = args[name]
@@ -119,10 +129,12 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
         assert emb["tokens"] == b.tokens.ptr + 4 * (c0 - p0) and inside(emb["tokens"], 4 * n)
         assert at_tokens(emb["tokens"], n) == prompt[c0:c0 + n]
         assert emb["h"] is b.h and emb["embed"] == w.ptr("embed")
+        names = PER_LAYER[:3] + (["attention", "combine"] if split_kv else ["attention"]) + \
+            ["o_proj", "post_norm"] + PER_LAYER[6:]
         for i in range(d.layers):
             L = f"L{i}."
-            layer = dict(zip(PER_LAYER[:5] + ["post_norm"] + PER_LAYER[6:],
-                             (a for *_, a in log[k + 1 + 8 * i:k + 9 + 8 * i])))
+            first = k + 1 + per_layer * i
+            layer = dict(zip(names, (a for *_, a in log[first:first + per_layer])))
             assert layer["rmsnorm"]["w"] == w.ptr(L + "input_norm")
             assert layer["post_norm"]["w"] == w.ptr(L + "post_norm")
             assert (layer["qkv"]["w"], layer["qkv"]["s"], layer["qkv"]["bias"]) == \
@@ -137,8 +149,16 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
             assert layer["qkv"]["x"] is b.xn and layer["qkv"]["y"] is b.qkv and layer["o_proj"]["x"] is b.o16
             assert layer["gate_up"]["x"] is b.xn and layer["gate_up"]["y"] is b.a16
             assert layer["down"]["x"] is b.a16 and layer["o_proj"]["y"] is layer["down"]["y"] is b.h
-            assert layer["attention"]["o16"] is b.o16 and layer["rope_append"]["q_rot"] is b.q_rot
-        k += 1 + 8 * d.layers
+            assert layer["rope_append"]["q_rot"] is b.q_rot and layer["attention"]["q_rot"] is b.q_rot
+            if split_kv:   # partials from the attention to the combine, which writes o16
+                att, comb = layer["attention"], layer["combine"]
+                assert att["part_acc"] is comb["part_acc"] is b.part_acc and att["part_ml"] is comb["part_ml"] is b.part_ml
+                assert comb["o16"] is b.o16 and comb["n"] == n and att["p0"] == c0
+                assert splits * n * d.heads * d.head_dim * 4 <= b.part_acc.nbytes
+                assert splits * n * d.heads * 2 * 4 <= b.part_ml.nbytes
+            else:
+                assert layer["attention"]["o16"] is b.o16
+        k += 1 + per_layer * d.layers
     # the lm_head on the last prompt row (decode step's argmax/state advance), row inside the chunk buffer
     role, launch, pdl, args = log[-1]
     want = dict(dec.sequence[-1][3], h=b.h.ptr + 4 * hid * (P - 1 - plan[-1][0]))
@@ -147,9 +167,12 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
 
 
 def chunk_roles(n: int, layers: int, small_m: int = SMALL_M) -> list[str]:
-    """The roles one chunk of n tokens launches: its GEMMs small-M ones up to small_m rows."""
-    gemms = set(gemm.model_gemms(QWEN25_7B))
-    per_layer = [("small." if r in gemms and n <= small_m else "") + r for r in PER_LAYER]
+    """The roles one chunk of n tokens launches: its GEMMs small-M ones and its attention split-KV (plus
+    the combine) up to small_m rows."""
+    small = set(gemm.model_gemms(QWEN25_7B)) | {"attention"}
+    per_layer = [("small." if r in small and n <= small_m else "") + r for r in PER_LAYER]
+    if n <= small_m:
+        per_layer.insert(per_layer.index("small.attention") + 1, "small.attention_combine")
     return ["prefill.embed"] + ["prefill." + r for r in per_layer] * layers
 
 

@@ -10,7 +10,8 @@ kernel waits before touching what its predecessor wrote):
   per layer       rmsnorm_prefill -> gemm qkv (+bias, f32) -> rope_append_prefill (q_rot; k, v into the
                   pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
                   -> rmsnorm_prefill -> gemm gate/up (SwiGLU, a16) -> gemm down (h +=)
-                  (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail)
+                  (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail; such
+                  a chunk's attention is split-KV, attention_prefill -> attention_prefill_combine -> o16)
 Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
 Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
 runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
@@ -37,19 +38,22 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     """Role -> kernel spec of the prefill chain; roles are prefixed ``prefill.`` so they sit beside the
     decode step's roles (runtime/decoder.py step_specs) in one kernel table. Each GEMM comes twice:
     ``prefill.<role>`` with the default tiles and ``prefill.small.<role>`` with gemm.SMALL_M_TILES for
-    chunks of at most ``prefill.small_m_tokens`` rows."""
+    chunks of at most ``prefill.small_m_tokens`` rows, and so does the attention: ``prefill.small.attention``
+    is the split-KV variant, followed by ``prefill.small.attention_combine``."""
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
     rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
+    split_attn, combine = attention_prefill.split_kv_specs(dims, cfg, profile)
     g = cfg.quant.group_size
     return {"prefill.embed": embed_prefill.specs_for_model(dims, cfg)[0], "prefill.rmsnorm": norm,
             **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, g, profile).items()},
             **{f"prefill.{SMALL}{r}": s for r, s in gemm.model_gemms(dims, g, profile, small_m=True).items()},
-            "prefill.rope_append": rope, "prefill.attention": attn}
+            "prefill.rope_append": rope, "prefill.attention": attn, f"prefill.{SMALL}attention": split_attn,
+            f"prefill.{SMALL}attention_combine": combine}
 
 
 def gemm_role(role: str, rows: int, small_m_tokens: int) -> str:
-    """The GEMM role (``qkv``, ``o_proj``, ``gate_up``, ``down``) a chunk of ``rows`` tokens launches: its
-    small-M variant up to small_m_tokens rows."""
+    """The GEMM role (``qkv``, ``o_proj``, ``gate_up``, ``down``; or ``attention``) a chunk of ``rows``
+    tokens launches: its small-M (split-KV) variant up to small_m_tokens rows."""
     return SMALL + role if rows <= small_m_tokens else role
 
 
@@ -76,10 +80,13 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def buffer_bytes(dims, chunk_tokens: int, capacity: int) -> dict[str, int]:
-    """The Prefiller's device buffers: the chunk activations plus the token ids of up to ``capacity``
-    positions."""
-    return {**{name: _nbytes(*sd) for name, sd in buffer_shapes(dims, chunk_tokens).items()}, "tokens": 4 * capacity}
+def buffer_bytes(dims, chunk_tokens: int, capacity: int, small_m_tokens: int) -> dict[str, int]:
+    """The Prefiller's device buffers: the chunk activations, the token ids of up to ``capacity``
+    positions and the split-KV attention partials of chunks of up to ``small_m_tokens`` rows (none at 0)."""
+    rows = min(small_m_tokens, chunk_tokens)
+    acc, ml = attention_prefill.partial_bytes(dims, rows)
+    return {**{name: _nbytes(*sd) for name, sd in buffer_shapes(dims, chunk_tokens).items()}, "tokens": 4 * capacity,
+            **({"part_acc": acc, "part_ml": ml} if rows else {})}
 
 
 class Prefiller:
@@ -91,14 +98,27 @@ class Prefiller:
     def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
-        self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity))
+        self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
 
-    def _launch(self, role: str, rows: int, **args) -> None:
-        """One prefill kernel, its grid sized for a chunk of ``rows`` tokens, with PDL (each one waits
-        before it touches its predecessor's output)."""
+    def _launch(self, role: str, *shape: int, **args) -> None:
+        """One prefill kernel, its grid ``spec.launch(*shape)`` (a chunk's rows, then KV splits where the
+        kernel takes them), with PDL (each one waits before it touches its predecessor's output)."""
         spec, fn = self.kernels["prefill." + role]
-        fn.launch(spec.launch(rows), self.shared.stream, True, **args)
+        fn.launch(spec.launch(*shape), self.shared.stream, True, **args)
+
+    def _attention(self, layer: int, c0: int, n: int) -> None:
+        """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine."""
+        kv, b = self.shared.kv, self.bufs
+        args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table,
+                    p0=c0, n=n)
+        role = gemm_role("attention", n, self.small_m_tokens)
+        if role == "attention":
+            self._launch(role, n, o16=b.o16, **args)
+            return
+        splits = self.kernels["prefill." + role][0].splits_for(c0 + n)
+        self._launch(role, n, splits, part_acc=b.part_acc, part_ml=b.part_ml, **args)
+        self._launch(role + "_combine", n, part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16, splits=splits, n=n)
 
     def _chunk(self, c0: int, n: int, tokens: int) -> None:
         """Enqueue every kernel of the chunk at positions [c0, c0 + n) (its ids at device address
@@ -118,8 +138,7 @@ class Prefiller:
             self._launch("rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
                          page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
                          p0=c0, n=n)
-            self._launch("attention", n, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
-                         page_table=kv.page_table, o16=b.o16, p0=c0, n=n)
+            self._attention(i, c0, n)
             mm("o_proj", b.o16, W(L + "o.packed"), W(L + "o.scales"), h)
             self._launch("rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b.xn, m=n)
             mm("gate_up", b.xn, W(L + "gate.packed"), W(L + "gate.scales"), b.a16,

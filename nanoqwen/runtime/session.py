@@ -62,7 +62,8 @@ class CudaSession:
         gpu = codegen.GpuProfile.from_props(props)
         specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
         w_bytes = plan(f).nbytes
-        prefill_bytes = {"prefill": prefill_mod.buffer_bytes(d, chunk, self.context)} if chunked else {}
+        prefill_bytes = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, cfg.prefill.small_m_tokens)}
+                         if chunked else {})
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes,
                                          state=state_mod.buffer_bytes(d, self.context),
                                          decode=decoder_mod.buffer_bytes(d, specs), **prefill_bytes)

@@ -11,6 +11,10 @@ the 7B dims (4 KV heads x GQA 7) and the tiny model (1 KV head x 7).
   one fp16 ulp (+ 1e-5 of max|ref|) of the fp32 reference elementwise, and ||o16 - ref|| / ||ref|| <= 1e-3
   (q and p are split fp16 hi + lo in the kernel: the fp32-like part is ~1e-6, the rest is o16's rounding).
   The split=False variant (plain fp16 q and p) is checked at rel 1e-2 (fp16 q alone costs ~1e-3).
+- Split-KV (short chunks: the split attention writes fp32 partials, attention_prefill_combine merges them
+  into o16): chunks (p0, n) after a prefix written by the unsplit kernel, with 1, 3 and max_splits splits
+  and the runtime's splits_for(p0 + n), held to the same tolerances; the partial buffers are poisoned, so
+  a split that skipped a row, or an empty split that wrote NaN instead of (-inf, 0, 0), shows.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ pytestmark = pytest.mark.gpu
 
 CFG = config.default()
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
-MAX_TOKENS = 2048
+MAX_TOKENS = 4096
 SPARE_PAGES = 8
 K_POISON, V_POISON = np.float16(65504.0), np.float16(np.nan)
 REL_TOL, REL_TOL_NOSPLIT = 1e-3, 1e-2
 LENGTHS = {"7b": [1, 15, 16, 17, 100, 512], "tiny": [1, 15, 16, 17, 100, 512, 2048]}
 CHUNKS = [[100, 17, 183], [16, 16, 1, 31], [5, 250]]   # chunk lengths of one prompt, in order
+SPLIT_CHUNKS = [(0, 1), (0, 17), (100, 32), (4064, 32), (1000, 64)]   # (p0, n) of a split-KV chunk
 
 
 def rel_err(out, ref) -> float:
@@ -49,13 +54,15 @@ def rel_err(out, ref) -> float:
 def fns():
     specs = [s for d in MODELS.values() for s in AP.prefill_attention_specs(d, CFG)]
     specs.append(replace(AP.prefill_attention_specs(MODELS["tiny"], CFG)[1], split=False))
+    specs += [s for d in MODELS.values() for s in AP.split_kv_specs(d, CFG)]
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
 
 
 class Prompt:
-    """One prompt's qkv activations, shuffled pages and device buffers; runs chunks through the kernels."""
+    """One prompt's qkv activations, shuffled pages and device buffers; runs chunks through the kernels.
+    ``ref`` is the reference output of positions [ref_from, total) (a long cached prefix needs none)."""
 
-    def __init__(self, dims, rng, total: int):
+    def __init__(self, dims, rng, total: int, ref_from: int = 0):
         self.dims, self.total = dims, total
         P = CFG.kv_cache.page_size
         self.lay = KVLayout(layers=1, kv_heads=dims.kv_heads, head_dim=dims.head_dim, page_size=P,
@@ -72,7 +79,7 @@ class Prompt:
         self.q_rot = R.rope(q, self.cos, self.sin, pos)
         self.k16 = R.f16(R.rope(k, self.cos, self.sin, pos))
         self.v16 = R.f16(v)
-        self.ref = R.attention(self.q_rot, self.k16, self.v16, pos)           # [total, H, D] fp32
+        self.ref = R.attention(self.q_rot[ref_from:], self.k16, self.v16, pos[ref_from:])  # [.., H, D] fp32
         self.buf = {n: driver.DeviceBuffer.from_array(a) for n, a in (
             ("rope_cos", self.cos), ("rope_sin", self.sin), ("page_table", self.table),
             ("k_pool", np.full(self.lay.pool_shape, K_POISON, np.float16)),
@@ -96,6 +103,30 @@ class Prompt:
         q_rot = b["q_rot"].download(dtype=np.float32, shape=(n, H, D))
         o16 = b["o16"].download(dtype=np.float16, shape=(n, H, D))
         return q_rot, o16
+
+    def chunk_split_kv(self, fns, rope_spec, split_spec, combine_spec, p0: int, n: int, splits: int):
+        """Run one chunk [p0, p0 + n) through rope_append, the split-KV attention and the combine; returns
+        its o16."""
+        b, H, D = self.buf, self.dims.heads, self.dims.head_dim
+        acc = driver.DeviceBuffer(splits * n * H * D * 4)
+        ml = driver.DeviceBuffer(splits * n * H * 2 * 4)
+        try:
+            b["qkv"].upload(self.qkv[p0:p0 + n])
+            for buf in (b["q_rot"], b["o16"], acc, ml):
+                buf.poison()
+            fns[rope_spec].launch(rope_spec.launch(n), None, pdl=False, qkv=b["qkv"], rope_cos=b["rope_cos"],
+                                  rope_sin=b["rope_sin"], page_table=b["page_table"], q_rot=b["q_rot"],
+                                  k_pool=b["k_pool"], v_pool=b["v_pool"], p0=p0, n=n)
+            fns[split_spec].launch(split_spec.launch(n, splits), None, pdl=True, q_rot=b["q_rot"],
+                                   k_pool=b["k_pool"], v_pool=b["v_pool"], page_table=b["page_table"],
+                                   part_acc=acc, part_ml=ml, p0=p0, n=n)
+            fns[combine_spec].launch(combine_spec.launch(n), None, pdl=True, part_acc=acc, part_ml=ml,
+                                     o16=b["o16"], splits=splits, n=n)
+            driver.device().synchronize()
+            return b["o16"].download(dtype=np.float16, shape=(n, H, D))
+        finally:
+            acc.free()
+            ml.free()
 
     def check_pages(self, upto: int, what: str) -> None:
         """Positions [0, upto) hold f16(k_rot), f16(v) bit for bit; every other slot is still poison."""
@@ -162,3 +193,19 @@ def test_prefill_no_split(fns):
     pr = Prompt(dims, np.random.default_rng(), 300)
     _, o16 = pr.chunk(fns, rope_spec, attn_spec, 0, 300)
     _check_o16(o16, pr.ref, REL_TOL_NOSPLIT, "tiny split=False n=300", exact_ulp=False)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("p0,n", SPLIT_CHUNKS)
+def test_prefill_split_kv(fns, model, p0, n):
+    dims = MODELS[model]
+    rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
+    split_spec, combine_spec = AP.split_kv_specs(dims, CFG)
+    pr = Prompt(dims, np.random.default_rng(), p0 + n, ref_from=p0)
+    if p0:
+        pr.chunk(fns, rope_spec, attn_spec, 0, p0)   # the cached prefix, as the unsplit kernel writes it
+    for splits in sorted({1, 3, split_spec.max_splits, split_spec.splits_for(p0 + n)}):
+        o16 = pr.chunk_split_kv(fns, rope_spec, split_spec, combine_spec, p0, n, splits)
+        what = f"{model} split-KV chunk [{p0}, {p0 + n}) splits={splits}"
+        pr.check_pages(p0 + n, what)
+        _check_o16(o16, pr.ref, REL_TOL, what)

@@ -4,8 +4,9 @@
   untouched (poisoned), out-of-range ids clamped and flagged;
 * on the trained small-py model (realistic top-1 margins) for prompt lengths 1, 15, 16, 17, 100 and 600
   (> the 512-token chunk, ending mid-page), with the configured chunk and with small chunks that end
-  mid-page (16, 40; chunks of <= prefill.small_m_tokens rows run the small-M GEMM tiles, so 1..17-token
-  prompts and these chunks do, and 40-token chunks once more with the default tiles): the last prompt
+  mid-page (16, 40; chunks of <= prefill.small_m_tokens rows run the small-M GEMM tiles and the split-KV
+  attention + combine, so 1..17-token prompts and these chunks do, and 40-token chunks once more with the
+  default tiles and the unsplit attention): the last prompt
   token's logits against the INT4 simulation (Reference.prefill), the
   fused argmax, the device state handed to decode ((token, P, P, 0)), and every layer's K/V pages for
   positions 0..P-1 against the simulation's fp16 cache; chunk buffers and logits are poisoned first;

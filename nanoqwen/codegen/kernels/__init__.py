@@ -34,6 +34,7 @@ FAMILIES: dict[str, str] = {
     "rmsnorm_prefill": "gemm:RmsnormPrefillSpec",
     "rope_append_prefill": "attention_prefill:RopeAppendPrefillSpec",
     "attention_prefill": "attention_prefill:AttentionPrefillSpec",
+    "attention_prefill_combine": "attention_prefill:AttentionPrefillCombineSpec",
     "embed": "embed:EmbedSpec",
     "embed_prefill": "embed_prefill:EmbedPrefillSpec",
     "lm_head_argmax": "lm_head:LmHeadArgmaxSpec",

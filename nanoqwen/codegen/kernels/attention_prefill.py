@@ -9,12 +9,24 @@
    hi + lo) of the chunk against keys [0, p0 + n), o16 f16 [n, heads*head_dim] out (the o_proj GEMM's X).
    Parameters: q_rot, k_pool, v_pool, page_table, o16, p0, n. Grid ``launch(n)``: (ceil(n / (16*warps)),
    heads), dynamic shared memory 2 slots x (K + V) tiles of bkv keys + the q hi / lo tiles.
+   Split-KV variant (``max_splits > 1``, for short chunks: a prefix-reuse tail of 32 tokens at p0 = 4064 is
+   28 CTAs walking 64 KV tiles each otherwise): grid ``launch(n, splits)`` = (q tiles, heads, splits),
+   split s walks a contiguous share of the CTA's KV tiles and writes its unnormalized partial instead of
+   o16 (parameters part_acc, part_ml in place of o16); ``splits_for(p0 + n)`` picks the split count.
+3. ``attention_prefill_combine``: merges the splits (attention.cuh's log-sum-exp weights) into o16.
+   Parameters: part_acc, part_ml, o16, splits, n. Grid ``launch(n)``: (n, heads), block head_dim.
+
+Partials, fp32, per split s, chunk row r and query head h (index (s * n + r) * heads + h): ``part_acc
+[.., head_dim]`` the sum exp2(s2 - m2) * v, ``part_ml [.., 2]`` (m2, l), scores in base-2 units as in the
+decode partials (kernels/attention.py); a split that sees no key of a row writes (-inf, 0, 0).
+Sizes: ``partial_bytes(dims, rows)`` for chunks of up to ``rows`` tokens and MAX_KV_SPLITS splits.
 
 Pools are [num_pages, kv_heads, page_size, head_dim] fp16; the page table maps logical page -> physical page
 and must cover positions [0, p0 + n)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +34,8 @@ from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
+
+MAX_KV_SPLITS = 16   # split-KV variant's most splits: 16 x 28 heads = 448 CTAs on the 7B (132 SMs)
 
 
 def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
@@ -63,10 +77,7 @@ class RopeAppendPrefillSpec(KernelSpec):
 class AttentionPrefillSpec(KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
-    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv")
-    kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"), inp("page_table", "int"),
-        out("o16", "f16"), scalar("p0", "int"), scalar("n", "int"))
+    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "max_splits")
 
     head_dim: int
     heads: int
@@ -77,10 +88,29 @@ class AttentionPrefillSpec(KernelSpec):
     split: bool = True       # q and p as fp16 hi + lo (two mma's each): fp32-like Q.K and P.V
     max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
+    max_splits: int = 1      # 1: o16 out; > 1: split-KV partials out, up to max_splits splits (grid.z)
+
+    def _family_params(self) -> tuple[tuple[Param, bool], ...]:
+        """Every parameter of the family, in C++ order, with whether this variant takes it."""
+        split_kv = self.max_splits > 1
+        return ((inp("q_rot", "float"), True), (inp("k_pool", "f16"), True), (inp("v_pool", "f16"), True),
+                (inp("page_table", "int"), True), (out("o16", "f16"), not split_kv),
+                (out("part_acc", "float"), split_kv), (out("part_ml", "float"), split_kv),
+                (scalar("p0", "int"), True), (scalar("n", "int"), True))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
+
+    def context(self) -> dict:
+        absent = [p.null_constant() for p, taken in self._family_params() if not taken]
+        return super().context() | {"absent_params": "\n".join(absent)}
 
     def validate(self) -> None:
         super().validate()
         f = self.family
+        if not 1 <= self.max_splits <= 65535:
+            raise SpecError(f"{f}.max_splits must be in 1..65535 (grid.z), got {self.max_splits}")
         _check_heads(f, self.head_dim, self.heads, self.kv_heads, self.page_size)
         if self.bkv % 16 or self.bkv % self.page_size or not 16 <= self.bkv <= 256:
             raise SpecError(f"{f}.bkv must be a multiple of 16 and of page_size ({self.page_size}) in 16..256, "
@@ -99,15 +129,51 @@ class AttentionPrefillSpec(KernelSpec):
         q = (2 if self.split else 1) * 16 * self.warps * self.head_dim * 2   # q hi (+ lo) tiles
         return kv + q
 
-    def launch(self, n: int | None = None) -> Launch:
+    def launch(self, n: int | None = None, splits: int = 1) -> Launch:
         n = self.max_n if n is None else n
+        if not 1 <= splits <= self.max_splits:
+            raise ValueError(f"{self.family}: {splits} KV splits, the variant takes 1..{self.max_splits}")
         bq = 16 * self.warps
-        return Launch(grid=(-(-n // bq), self.heads, 1), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
+        return Launch(grid=(-(-n // bq), self.heads, splits), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
+
+    def splits_for(self, keys: int) -> int:
+        """KV splits of a chunk whose last row sees ``keys`` keys: 2 whole KV tiles or more per split."""
+        return max(1, min(self.max_splits, -(-keys // self.bkv) // 2))
 
     def flops(self, p0: int, n: int) -> int:
         """Useful (causal) flops: 4 * head_dim per (query, visible key) pair per head."""
         pairs = n * p0 + n * (n + 1) // 2
         return 4 * self.head_dim * self.heads * pairs
+
+
+@dataclass(frozen=True)
+class AttentionPrefillCombineSpec(KernelSpec):
+    family = "attention_prefill_combine"
+    template = "attention_prefill_combine.cu.j2"
+    uri_fields = ("head_dim", "heads")
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"), scalar("splits", "int"),
+        scalar("n", "int"))
+
+    head_dim: int
+    heads: int
+    max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 1024:
+            raise SpecError(f"{self.family}.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
+        if self.heads <= 0 or self.max_n <= 0:
+            raise SpecError(f"{self.family}: heads and max_n must be positive, got {self.heads}, {self.max_n}")
+
+    def launch(self, n: int | None = None) -> Launch:
+        return Launch(grid=(self.max_n if n is None else n, self.heads, 1), block=(self.head_dim, 1, 1))
+
+
+def partial_bytes(dims: ModelDims, rows: int) -> tuple[int, int]:
+    """(part_acc, part_ml) bytes of the split-KV partials of chunks of up to ``rows`` tokens."""
+    parts = MAX_KV_SPLITS * rows * dims.heads
+    return parts * dims.head_dim * 4, parts * 2 * 4
 
 
 def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
@@ -116,5 +182,12 @@ def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFA
     return RopeAppendPrefillSpec(**kw), AttentionPrefillSpec(**kw, max_smem=gpu.max_smem)
 
 
+def split_kv_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+                   ) -> tuple[AttentionPrefillSpec, AttentionPrefillCombineSpec]:
+    """The split-KV attention of short chunks and its combine, in launch order."""
+    attn = dataclasses.replace(prefill_attention_specs(dims, cfg, gpu)[1], max_splits=MAX_KV_SPLITS)
+    return attn, AttentionPrefillCombineSpec(head_dim=dims.head_dim, heads=dims.heads)
+
+
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
-    return list(prefill_attention_specs(dims, cfg, gpu))
+    return [*prefill_attention_specs(dims, cfg, gpu), *split_kv_specs(dims, cfg, gpu)]
