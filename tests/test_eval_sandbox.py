@@ -84,7 +84,18 @@ def test_infinite_loop_times_out_on_the_wall_clock(tmp_path):
 
 def test_cpu_limit_counts_cpu_seconds():
     limits = sandbox.Limits(timeout_s=2.5)
-    assert limits.rlimits()["RLIMIT_CPU"] == 3  # whole seconds, rounded up: never below the wall limit
+    assert limits.rlimits()["RLIMIT_CPU"] == 4  # whole seconds, a second above the wall limit
+
+
+def test_cpu_limit_ends_a_program_with_sigxcpu(tmp_path):
+    """The soft CPU limit, which the program may only lower, ends it with SIGXCPU (a soft limit equal to
+    the hard one would be a SIGKILL, indistinguishable from any other kill): reported as a timeout."""
+    program = ("import resource\n"
+               "resource.setrlimit(resource.RLIMIT_CPU, (1, resource.getrlimit(resource.RLIMIT_CPU)[1]))\n"
+               "while True:\n    pass\n")
+    out = run(program, tmp_path)
+    assert out.status == "timeout" and out.detail.startswith("CPU time limit"), out
+    assert out.seconds < LIMITS.timeout_s
 
 
 def test_fork_bomb_is_contained(tmp_path):

@@ -15,8 +15,10 @@ own process group). A small bootstrap runs inside that interpreter before the pr
    no root process), keeping only CAP_DAC_READ_SEARCH (read, never write) so an interpreter installed
    under a private home such as /root still starts. Without that capability, an interpreter only root can
    read keeps the program root, and its report says so.
-4. setrlimit, soft = hard so the program cannot raise them: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_NPROC,
-   RLIMIT_FSIZE, RLIMIT_CORE 0. NPROC counts processes per (user namespace, uid), so with its own uid or
+4. setrlimit, soft = hard so the program cannot raise them: RLIMIT_AS (memory), RLIMIT_NPROC, RLIMIT_FSIZE,
+   RLIMIT_CORE 0; RLIMIT_CPU one second above the wall limit (the wall clock decides for a program that
+   holds one core; a scheduling delay of the parent must not turn a timeout into a CPU kill), its hard
+   limit one second above its soft one, since at a hard limit the kernel sends SIGKILL, not SIGXCPU. NPROC counts processes per (user namespace, uid), so with its own uid or
    its own user namespace each sandbox counts only its own processes, however many run in parallel.
 
 Its first stderr line reports what it applied (``sandbox: {...}``). The parent waits on a pidfd with the
@@ -133,7 +135,7 @@ if applied["user"] == "caller" and not applied["network"].startswith("none"):
     cfg["rlimits"]["RLIMIT_NPROC"] += running
     applied["processes"] = "%d beyond the caller's %d running" % (cfg["rlimits"]["RLIMIT_NPROC"] - running, running)
 for name, value in cfg["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
+    resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 sys.stderr.write("sandbox: " + json.dumps(applied) + "\n")
 sys.stderr.flush()
 with open(sys.argv[2], encoding="utf-8") as f:
@@ -163,7 +165,7 @@ class Limits:
     file_mb: int = 16         # RLIMIT_FSIZE: largest file it may write
 
     def rlimits(self) -> dict[str, int]:
-        return {"RLIMIT_CPU": math.ceil(self.timeout_s), "RLIMIT_AS": self.memory_mb << 20,
+        return {"RLIMIT_CPU": math.ceil(self.timeout_s) + 1, "RLIMIT_AS": self.memory_mb << 20,
                 "RLIMIT_NPROC": self.processes, "RLIMIT_FSIZE": self.file_mb << 20, "RLIMIT_CORE": 0}
 
     def to_dict(self) -> dict:
@@ -259,7 +261,8 @@ def run(program: str, limits: Limits = Limits(), tmp_root: str | None = None) ->
                                     start_new_session=True)
             pidfd = os.pidfd_open(proc.pid)
             try:
-                exited = bool(select.select([pidfd], [], [], limits.timeout_s)[0])
+                left = t0 + limits.timeout_s - time.perf_counter()  # the wall limit counts from spawn
+                exited = bool(select.select([pidfd], [], [], max(left, 0.0))[0])
                 seconds = time.perf_counter() - t0
                 os.killpg(proc.pid, signal.SIGKILL)  # the leader is at worst a zombie: the group id is ours
             except ProcessLookupError:
