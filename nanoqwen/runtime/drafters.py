@@ -75,6 +75,16 @@ class LookupDrafter:
             self.k = min(self.setting.max_draft, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
+def accept(drafts: list[int], choices: list[int]) -> list[int]:
+    """A verify step's tokens: ``choices[i]`` is the model's token after ``drafts[:i]`` (len(drafts) + 1 of
+    them); the drafts that equal the model's choice are accepted, up to the first that does not, then the
+    model's own choice after them. Greedy output is therefore exactly plain greedy decoding's."""
+    a = 0
+    while a < len(drafts) and drafts[a] == choices[a]:
+        a += 1
+    return drafts[:a] + [choices[a]]
+
+
 def drafter_setting(kind: str | None, draft_tokens: int = PromptLookup.max_draft) -> PromptLookup | None:
     """The CLI's ``--speculate KIND [--draft-tokens K]`` as an engine setting (None: plain decoding)."""
     if kind is None:
