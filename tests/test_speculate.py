@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from nanoqwen import NanoqwenError, testmodels, tokenizer
+from nanoqwen import testmodels, tokenizer
 from nanoqwen.backends import ReferenceEngine, open_engine
 from nanoqwen.modelcache import resolve
 from nanoqwen.reference import Reference
