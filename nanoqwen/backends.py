@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import NanoqwenError
-from .runtime.drafters import accept
+from .runtime.drafters import Speculation
 from .runtime.generate import check_request
 from .runtime.prefix_cache import PrefixCache
 from .runtime.sampler import HostSampler, Sampling
@@ -59,8 +59,16 @@ class ReferenceEngine:
         page = default().kv_cache.page_size
         self.cache = PrefixCache(-(-kv_tokens // page), page)
         self.ref = Reference(Fp32Weights.from_file(f), max_seq=self.context)
-        self.speculate = speculate
-        self.cached_tokens = self.drafted_tokens = self.accepted_tokens = 0
+        self.speculate, self.spec = speculate, Speculation()
+        self.cached_tokens = 0
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.spec.drafted
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.spec.accepted
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                  logits: bool = False):
@@ -69,9 +77,9 @@ class ReferenceEngine:
 
     def _run(self, prompt, max_new_tokens, sampling, logits):
         ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling), []
-        drafter = self.speculate(prompt) if self.speculate and sampling.greedy else None
         with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
-            self.cached_tokens, self.drafted_tokens, self.accepted_tokens = lease.reused, 0, 0
+            self.cached_tokens = lease.reused
+            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and sampling.greedy else None)
             if lease.reused:
                 ref.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
             else:
@@ -79,19 +87,14 @@ class ReferenceEngine:
             try:
                 rows, drafts = ref.extend(prompt[lease.reused:])[-1:], []
                 while True:   # rows[i] chooses the token after drafts[:i]; without drafts, one plain step
-                    block = accept(drafts, [sample(row) for row in rows])
+                    block = spec.accept(drafts, [sample(row) for row in rows])
                     ref.pos -= len(drafts) + 1 - len(block)   # back past the rejected drafts
                     gen += block
-                    self.drafted_tokens += len(drafts)
-                    self.accepted_tokens += len(block) - 1
-                    if drafter:
-                        drafter.append(block)
-                        drafter.record(len(drafts), len(block) - 1)
                     for tok, row in zip(block, rows):
                         yield (tok, row.copy()) if logits else tok
                     if len(gen) == max_new_tokens:
                         break
-                    drafts = drafter.draft(max_new_tokens - len(gen) - 1) if drafter else []
+                    drafts = spec.draft(max_new_tokens - len(gen) - 1)
                     rows = ref.extend([gen[-1]] + drafts)
             finally:   # positions 0..pos-1 have their K/V, however the request ended
                 lease.tokens = (prompt + gen)[:ref.pos]

@@ -85,6 +85,27 @@ def accept(drafts: list[int], choices: list[int]) -> list[int]:
     return drafts[:a] + [choices[a]]
 
 
+class Speculation:
+    """One request's verify bookkeeping, the same in both engines: drafts from its drafter (none without
+    one: every step is then a plain one), acceptance, the drafter told the outcome, and the counts the
+    engine reports as ``drafted_tokens`` / ``accepted_tokens``."""
+
+    def __init__(self, drafter=None):
+        self.drafter, self.drafted, self.accepted = drafter, 0, 0
+
+    def draft(self, limit: int) -> list[int]:
+        return self.drafter.draft(limit) if self.drafter else []
+
+    def accept(self, drafts: list[int], choices: list[int]) -> list[int]:
+        """The verify step's tokens (``accept``); the drafter follows them."""
+        block = accept(drafts, choices)
+        self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(block) - 1
+        if self.drafter:
+            self.drafter.append(block)
+            self.drafter.record(len(drafts), len(block) - 1)
+        return block
+
+
 def drafter_setting(kind: str | None, draft_tokens: int = PromptLookup.max_draft) -> PromptLookup | None:
     """The CLI's ``--speculate KIND [--draft-tokens K]`` as an engine setting (None: plain decoding)."""
     if kind is None:
