@@ -108,8 +108,7 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
     """An engine for the .nanoqwen file ``path`` taking requests of up to ``context`` tokens, keeping
     recent sequences for prefix reuse in a KV pool of ``kv_tokens`` (default ``context``); ``verify`` checks
     every payload's checksum while loading (a corrupt file is an error naming the file and the tensor);
-    ``speculate`` is a drafter setting (runtime/drafters.py) for speculative greedy decoding, so far on the
-    reference engine only."""
+    ``speculate`` is a drafter setting (runtime/drafters.py) for speculative greedy decoding."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if backend not in BACKENDS:
         raise NanoqwenError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -119,9 +118,7 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
             log("no CUDA device found: running the numpy reference backend on the CPU (slow)")
     if backend == "reference":
         return ReferenceEngine(path, context, kv_tokens, verify, speculate)
-    if speculate is not None:
-        raise NanoqwenError("--speculate runs on the reference backend only so far (--backend reference)")
     if not cuda_available():
         raise NanoqwenError("--backend cuda: no CUDA device available (no driver, or no GPU visible)")
     from .runtime.session import CudaSession
-    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify)
+    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify, speculate=speculate)

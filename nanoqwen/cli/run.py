@@ -40,8 +40,7 @@ def add_speculate_arguments(p) -> None:
     """The speculative decoding options, shared with `nanoqwen serve`."""
     p.add_argument("--speculate", choices=SPECULATE_KINDS, default=None,
                    help="speculative greedy decoding with draft tokens from prompt lookup (n-grams of the "
-                        "prompt and output); identical output; greedy only (sampling decodes plainly); reference "
-                        "backend only so far")
+                        "prompt and output); identical output; greedy only (sampling decodes plainly)")
     p.add_argument("--draft-tokens", type=int, default=PromptLookup.max_draft, metavar="K",
                    help=f"the most draft tokens one verify step checks (default {PromptLookup.max_draft})")
 
