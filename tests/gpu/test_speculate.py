@@ -7,7 +7,7 @@ the trained small-py model, 100 prompts of real Python (windows of standard-libr
   drafter (100% acceptance), an always-wrong one and prompt lookup;
 * with the tensor-core prefill the verify rows come from the prefill GEMMs, which round differently from
   the decode GEMV: the output must be plain greedy's on every prompt except where plain decoding's own
-  top-1 margin at the first differing token is within the logits tolerance of the prefill
+  top-1 margin at the first differing token is within twice the logits tolerance of the prefill
   (tests/gpu/test_prefill_runtime.py's LOGITS_TOL, relative to the logits' norm), at most 2 of 100;
 * the drafted / accepted counts: the oracle accepts all it drafts, the always-wrong drafter none."""
 
@@ -105,7 +105,8 @@ def test_chunked_prefill_verify_is_plain_greedy(sessions, prompts, kind):
                 top2 = np.sort(rows[j])[-2:]
                 margin = float(top2[1] - top2[0])
                 diverged.append((i, j, margin))
-                assert margin <= LOGITS_TOL * float(np.linalg.norm(rows[j])), (i, j, margin)
+                # each of the two top logits may move by up to the tolerance: a flip needs a margin within twice it
+                assert margin <= 2 * LOGITS_TOL * float(np.linalg.norm(rows[j])), (i, j, margin)
             if kind == "oracle":
                 assert s.accepted_tokens == s.drafted_tokens or got != tokens
     finally:
