@@ -155,3 +155,13 @@ def test_open_engine_passes_the_setting(packed):
     path, _ = packed
     e = open_engine("reference", path, 64, speculate=PromptLookup(max_draft=3))
     assert e.speculate == PromptLookup(max_draft=3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_shortest_requests(packed, cases, n):
+    """max_new_tokens 1..3: nothing or little left to draft; the output is still plain greedy's."""
+    prompt, expected = cases[5]
+    e = ReferenceEngine(packed[0], context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    assert list(e.generate(prompt, n)) == expected[:n]
+    assert e.drafted_tokens == e.accepted_tokens == max(0, n - 2)

@@ -116,3 +116,15 @@ def test_close_mid_block_keeps_accepted_positions(nqfile, monkeypatch):  # noqa:
     run.speculate = None
     run.cache.clear()
     assert got == list(run.generate(q, 5))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_shortest_requests(nqfile, monkeypatch, n):  # noqa: F811
+    run, _ = spec_device(nqfile, monkeypatch, True)
+    want = list(run.generate(PROMPT, n))
+    run.cache.clear()
+    run.speculate = lambda q: Scripted(q, want, lambda t: t)
+    assert list(run.generate(PROMPT, n)) == want
+    assert run.spec.drafted == run.spec.accepted == max(0, n - 2)
+    (kept,) = run.cache.kept.values()
+    assert kept.tokens == PROMPT + want[:-1]
