@@ -8,7 +8,9 @@ import json
 import re
 import time
 
+import httpx
 import pytest
+from _serve_util import server as start_server
 from starlette.testclient import TestClient
 
 from nanoqwen import testmodels, tokenizer
@@ -84,6 +86,21 @@ def test_streamed_usage_carries_the_details(packed):
     # the repeat reuses the prompt's K/V but drafts the same way: the same counts
     assert usage["completion_tokens_details"] == want["completion_tokens_details"]
     assert usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+
+
+def test_serve_command_speculates(tmp_path):
+    """`nanoqwen serve --speculate lookup --draft-tokens 4`, a real process: the option reaches the engine."""
+    s = start_server(testmodels.SMALL_PY_DIR, "--speculate", "lookup", "--draft-tokens", "4", "--model-name", "m",
+                     cache_dir=tmp_path)
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=120).json()
+        details = r["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+        assert s.metric("nanoqwen_spec_decode_num_accepted_tokens_total") == details["accepted_prediction_tokens"]
+        assert s.metric("nanoqwen_spec_decode_num_draft_tokens_total") == \
+            details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+    finally:
+        s.close()
 
 
 def test_serve_refuses_bad_draft_tokens(capsys):
