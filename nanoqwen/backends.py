@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from . import NanoqwenError
+from .runtime.drafters import Speculation
 from .runtime.generate import check_request
 from .runtime.prefix_cache import PrefixCache
 from .runtime.sampler import HostSampler, Sampling
@@ -31,11 +32,19 @@ class ReferenceEngine:
     """The numpy INT4 simulation behind the same engine contract as the CUDA engine, prefix reuse
     included: the same policy (runtime/prefix_cache.py) over a pool of ``kv_tokens`` positions in pages of
     the config's size; a kept sequence carries its K/V rows, copied back into the simulation when a
-    request continues it."""
+    request continues it.
+
+    ``speculate`` (a drafter setting, runtime/drafters.py; None = plain decoding) turns on speculative
+    decoding for greedy requests: a verify step runs the last token and k drafts at positions p..p+k in one
+    ``extend``, accepts the drafts equal to the argmax before them plus the model's own next token, and
+    moves the position back past the rejected ones (their K/V rows are overwritten later). Sampled
+    requests (temperature > 0) decode plainly: drafting switches off rather than rejection-sample.
+    ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``."""
 
     name = "reference (numpy INT4 simulation, CPU)"
 
-    def __init__(self, path: str | Path, context: int, kv_tokens: int | None = None, verify: bool = True):
+    def __init__(self, path: str | Path, context: int, kv_tokens: int | None = None, verify: bool = True,
+                 speculate=None):
         from .config import default
         from .nqfile import NanoqwenFile
         from .reference import Fp32Weights, Reference
@@ -50,7 +59,16 @@ class ReferenceEngine:
         page = default().kv_cache.page_size
         self.cache = PrefixCache(-(-kv_tokens // page), page)
         self.ref = Reference(Fp32Weights.from_file(f), max_seq=self.context)
+        self.speculate, self.spec = speculate, Speculation()
         self.cached_tokens = 0
+
+    @property
+    def drafted_tokens(self) -> int:
+        return self.spec.drafted
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.spec.accepted
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                  logits: bool = False):
@@ -61,30 +79,36 @@ class ReferenceEngine:
         ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling), []
         with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
             self.cached_tokens = lease.reused
+            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and sampling.greedy else None)
             if lease.reused:
                 ref.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
             else:
                 ref.reset()
             try:
-                row = ref.extend(prompt[lease.reused:])[-1]
-                for i in range(max_new_tokens):
-                    gen.append(sample(row))
-                    yield (gen[-1], row.copy()) if logits else gen[-1]
-                    if i + 1 < max_new_tokens:
-                        row = ref.decode(gen[-1])
+                rows, drafts = ref.extend(prompt[lease.reused:])[-1:], []
+                while True:   # rows[i] chooses the token after drafts[:i]; without drafts, one plain step
+                    block = spec.accept(drafts, [sample(row) for row in rows])
+                    ref.pos -= len(drafts) + 1 - len(block)   # back past the rejected drafts
+                    gen += block
+                    for tok, row in zip(block, rows):
+                        yield (tok, row.copy()) if logits else tok
+                    if len(gen) == max_new_tokens:
+                        break
+                    drafts = spec.draft(max_new_tokens - len(gen) - 1)
+                    rows = ref.extend([gen[-1]] + drafts)
             finally:   # positions 0..pos-1 have their K/V, however the request ended
                 lease.tokens = (prompt + gen)[:ref.pos]
                 lease.payload = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)]
-
     def close(self) -> None:
         self.cache.clear()
 
 
 def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None,
-                kv_tokens: int | None = None, verify: bool = True):
+                kv_tokens: int | None = None, verify: bool = True, speculate=None):
     """An engine for the .nanoqwen file ``path`` taking requests of up to ``context`` tokens, keeping
     recent sequences for prefix reuse in a KV pool of ``kv_tokens`` (default ``context``); ``verify`` checks
-    every payload's checksum while loading (a corrupt file is an error naming the file and the tensor)."""
+    every payload's checksum while loading (a corrupt file is an error naming the file and the tensor);
+    ``speculate`` is a drafter setting (runtime/drafters.py) for speculative greedy decoding."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if backend not in BACKENDS:
         raise NanoqwenError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -93,8 +117,8 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
         if backend == "reference":
             log("no CUDA device found: running the numpy reference backend on the CPU (slow)")
     if backend == "reference":
-        return ReferenceEngine(path, context, kv_tokens, verify)
+        return ReferenceEngine(path, context, kv_tokens, verify, speculate)
     if not cuda_available():
         raise NanoqwenError("--backend cuda: no CUDA device available (no driver, or no GPU visible)")
     from .runtime.session import CudaSession
-    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify)
+    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify, speculate=speculate)

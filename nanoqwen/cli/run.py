@@ -9,6 +9,7 @@ import sys
 
 from .. import NanoqwenError
 from ..backends import BACKENDS, open_engine
+from ..runtime.drafters import SPECULATE_KINDS, PromptLookup, drafter_setting
 
 
 def add_arguments(p) -> None:
@@ -32,6 +33,16 @@ def add_arguments(p) -> None:
                    help="HF directory whose tokenizer replaces the model's (default: the one MODEL stores)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the payload checksums while loading")
+    add_speculate_arguments(p)
+
+
+def add_speculate_arguments(p) -> None:
+    """The speculative decoding options, shared with `nanoqwen serve`."""
+    p.add_argument("--speculate", choices=SPECULATE_KINDS, default=None,
+                   help="speculative greedy decoding with draft tokens from prompt lookup (n-grams of the "
+                        "prompt and output); identical output; greedy only (sampling decodes plainly)")
+    p.add_argument("--draft-tokens", type=int, default=PromptLookup.max_draft, metavar="K",
+                   help=f"the most draft tokens one verify step checks (default {PromptLookup.max_draft})")
 
 
 def _log(msg: str) -> None:
@@ -64,6 +75,7 @@ def run(args) -> int:
     from ..runtime.sampler import Sampling
 
     _check_args(args)
+    speculate = drafter_setting(args.speculate, args.draft_tokens)
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     path = resolve(args.model, log=_log)
     tok = tokenizer.load(path, args.tokenizer)
@@ -76,7 +88,8 @@ def run(args) -> int:
     dims = NanoqwenFile(path).dims
     context = _context(args, dims, len(prompt_ids))
     check_request(dims, prompt_ids, args.max_new_tokens, context)  # fail before loading
-    engine = open_engine(args.backend, path, context, eager=args.eager, log=_log, verify=not args.no_verify)
+    engine = open_engine(args.backend, path, context, eager=args.eager, log=_log, verify=not args.no_verify,
+                         speculate=speculate)
     out = sys.stdout
     if args.prompt is not None:
         out.write(args.prompt)
@@ -94,5 +107,6 @@ def run(args) -> int:
     bandwidth = getattr(engine, "bytes_per_token", 0) * result.tokens_per_s
     _log(f"[{engine.name}] prompt {result.prompt_tokens} tokens, generated {len(result.tokens)} "
          f"(stop: {result.stop}); TTFT {1e3 * result.ttft_s:.1f} ms, {result.tokens_per_s:.2f} tokens/s"
-         + (f", {bandwidth / 1e9:.0f} GB/s of weights" if bandwidth else ""))
+         + (f", {bandwidth / 1e9:.0f} GB/s of weights" if bandwidth else "")
+         + (f"; speculate: drafted {engine.drafted_tokens}, accepted {engine.accepted_tokens}" if speculate else ""))
     return 130 if result.stop == "interrupted" else 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from .. import NanoqwenError
 from ..backends import BACKENDS
+from ..runtime.drafters import drafter_setting
+from .run import add_speculate_arguments
 
 
 def add_arguments(p) -> None:
@@ -30,6 +32,7 @@ def add_arguments(p) -> None:
                    help="the id /v1/models lists and requests name (default: MODEL's file or directory name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with tokenizer.json (default: beside MODEL)")
+    add_speculate_arguments(p)
 
 
 def _log(msg: str) -> None:
@@ -52,6 +55,7 @@ def run(args) -> int:
                        ("--max-body-bytes", args.max_body_bytes, 1)):
         if v < lo:
             raise NanoqwenError(f"{opt} must be at least {lo}, got {v}")
+    speculate = drafter_setting(args.speculate, args.draft_tokens)
     if not Path(args.model).exists():
         raise NanoqwenError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
     name = args.model_name or (Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name)
@@ -60,7 +64,7 @@ def run(args) -> int:
     def stop(message: str) -> None:   # a model that cannot load is the command's error, not a 503 forever
         load_error.append(message)
         server.should_exit = True
-    worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log),
+    worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log, speculate),
                     metrics, args.max_queue, log=_log, on_load_error=stop)
     app = create_app(Server(worker, metrics, name, api_key=args.api_key, max_body=args.max_body_bytes))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

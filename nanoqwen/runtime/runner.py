@@ -10,12 +10,19 @@ an event, and the host only waits on the event of the oldest token it wants, nev
 launch next. Sampling (temperature > 0) and ``logits=True`` need the host in the loop: each step's fp32
 logits are downloaded and the sampled token is copied into ``state[0]`` for the next step.
 
+Speculative decoding (``speculate``, a drafter setting of runtime/drafters.py; greedy requests without
+``logits`` only, the others decode plainly) puts the host in the loop too: each round drafts from the
+tokens so far, ``verify`` runs the last token and k drafts at positions p..p+k as a prefill of the
+sequence and the lm_head on each of its k + 1 rows (host loop, not captured yet), and the accepted
+tokens move the position to the first rejected slot, whose K/V later writes overwrite.
+
 Closing the token iterator (EOS, Ctrl-C, a client gone) stops launching at once and drains what was
 launched ahead; the sequence is then kept with exactly the positions whose K/V was written and whose
 token the host knows. A request that fails keeps nothing."""
 
 from __future__ import annotations
 
+from .drafters import Speculation
 from .generate import check_request
 from .prefill import by_steps
 from .prefix_cache import PrefixCache
@@ -26,10 +33,14 @@ class Runner:
     """``prefiller`` None prefills through the decode step (``by_steps``); ``cache`` holds the kept
     sequences of the KV pool; ``context`` is the most positions one request may occupy."""
 
-    def __init__(self, shared, decoder, prefiller, cache: PrefixCache, context: int, ahead: int = 8):
+    def __init__(self, shared, decoder, prefiller, cache: PrefixCache, context: int, ahead: int = 8,
+                 speculate=None):
         self.shared, self.decoder, self.prefiller, self.cache = shared, decoder, prefiller, cache
         self.dims, self.context, self.ahead = shared.dims, context, ahead
+        self.speculate, self.spec = speculate, Speculation()
         self.cached_tokens = 0
+        # a verify's k + 1 rows must be one prefill chunk: the chunk buffer holds only the last chunk's rows
+        self.max_draft = prefiller.chunk_tokens - 1 if prefiller is not None else context
 
     def prefill(self, tokens: list[int], p0: int, read_token: bool = False, read_logits: bool = False) -> None:
         """Positions [p0, p1) of the loaded sequence (p1 = p0 + len(tokens); positions before p0 hold
@@ -43,6 +54,24 @@ class Runner:
         self.shared.reset(int(tokens[-1]), p1 - 1, p1 - 1)   # the lm_head below is "step p1 - 1"
         self.decoder.lm_head(self.prefiller(tokens, p0))
         self.shared.read_back(p1 - 1, read_token, read_logits)
+
+    def verify(self, tokens: list[int], p: int) -> list[int]:
+        """Positions p..p+k of the loaded sequence for ``tokens`` (the last accepted token and k drafts,
+        k <= max_draft) in one prefill, then the step's lm_head on each of the k + 1 rows as steps p..p+k
+        (each advances the device state by one: set once, before the first); waits for and returns the
+        argmax after each. The device state ends at (argmax after the last, p+k+1, p+k+1)."""
+        sh, k = self.shared, len(tokens) - 1
+        if self.prefiller is None or not k:   # no drafts: one decode step
+            by_steps(self.decoder, tokens, p)
+        else:
+            sh.reset(int(tokens[0]), p, p)
+            last, row = self.prefiller(tokens, p), 4 * self.dims.hidden
+            for j in range(k + 1):
+                self.decoder.lm_head(last - row * (k - j))
+        for j in range(k + 1):
+            sh.read_back(p + j, read_token=True)
+        sh.wait_step(p + k)   # stream order: every earlier copy is done too
+        return sh.tok_out[p:p + k + 1].tolist()
 
     def reserve(self, total: int) -> None:
         """Load pages for a fresh sequence of ``total`` positions, dropping every kept sequence (warm-up
@@ -67,23 +96,36 @@ class Runner:
         sample = HostSampler(sampling)
         with self.cache.request(prompt, total) as lease:
             self.cached_tokens = lease.reused
+            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and not host else None)
             launched, gen, clean = lease.reused, [], False   # positions the enqueued work writes
             try:
                 sh.drain()   # the previous request's work is done before its table is replaced
                 sh.kv.load(lease.pages, sh.stream)
                 self.prefill(prompt[lease.reused:], lease.reused, read_token=greedy, read_logits=host)
                 launched = P
-                for k in range(P - 1, total):
-                    if host and k >= launched:
-                        dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
-                        launched += 1
-                    while not host and launched < min(total, k + 1 + self.ahead):
-                        dec.step(launched, read_token=True)
-                        launched += 1
-                    sh.wait_step(k)
-                    row = sh.logits() if host else None
-                    gen.append(int(sh.tok_out[k]) if greedy else sample(row))
-                    yield (gen[-1], row) if logits else gen[-1]
+                if spec.drafter:   # speculative rounds; afterwards tok_out[P - 1 + i] == gen[i]
+                    sh.wait_step(P - 1)
+                    block = spec.accept([], [int(sh.tok_out[P - 1])])   # the prefill's token, no drafts
+                    while True:
+                        gen += block
+                        launched = P + len(gen) - 1   # positions whose K/V holds an accepted token
+                        yield from block
+                        if len(gen) == max_new_tokens:
+                            break
+                        drafts = spec.draft(min(max_new_tokens - len(gen) - 1, self.max_draft))
+                        block = spec.accept(drafts, self.verify([gen[-1]] + drafts, launched))
+                else:
+                    for k in range(P - 1, total):
+                        if host and k >= launched:
+                            dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
+                            launched += 1
+                        while not host and launched < min(total, k + 1 + self.ahead):
+                            dec.step(launched, read_token=True)
+                            launched += 1
+                        sh.wait_step(k)
+                        row = sh.logits() if host else None
+                        gen.append(int(sh.tok_out[k]) if greedy else sample(row))
+                        yield (gen[-1], row) if logits else gen[-1]
                 clean = True
             except GeneratorExit:   # closed early: the steps launched ahead still drain
                 clean = True

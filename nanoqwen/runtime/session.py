@@ -44,7 +44,7 @@ class DeviceError(NanoqwenError):
 class CudaSession:
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
                  cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked",
-                 kv_tokens: int | None = None, verify: bool = True):
+                 kv_tokens: int | None = None, verify: bool = True, speculate=None):
         cfg = cfg or config.default()
         if prefill not in PREFILL_MODES:
             raise NanoqwenError(f"prefill mode must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
@@ -84,6 +84,7 @@ class CudaSession:
                              PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)
         list(self.runner.generate([0], 2))   # eager: loads every module, touches every buffer
         self.runner.cache.clear()
+        self.runner.speculate = speculate   # after the warm-up: that one request decodes plainly
         if not eager:
             self.decoder.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
@@ -97,6 +98,19 @@ class CudaSession:
     def cached_tokens(self) -> int:
         """Prompt tokens the most recent request reused from the prefix cache."""
         return self.runner.cached_tokens
+
+    @property
+    def speculate(self):
+        return self.runner.speculate
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Draft tokens of the most recent request (speculative decoding), and those accepted."""
+        return self.runner.spec.drafted
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.runner.spec.accepted
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), logits: bool = False):
         return self.runner.generate(prompt, max_new_tokens, sampling, logits)

@@ -80,9 +80,15 @@ def _sse(obj) -> bytes:
 
 
 def _usage(prompt_tokens: int, done: Done) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    """OpenAI's usage object; a speculating server adds the draft tokens in the fields OpenAI uses for
+    its predicted outputs (accepted / rejected prediction tokens)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
+             "total_tokens": prompt_tokens + done.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    if done.drafted_tokens is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": done.accepted_tokens,
+                                              "rejected_prediction_tokens": done.drafted_tokens - done.accepted_tokens}
+    return usage
 
 
 class Server:

@@ -17,6 +17,10 @@ class Metrics:
         self.generation_tokens = Counter("nanoqwen_generation_tokens", "tokens generated", registry=r)
         self.cached_tokens = Counter("nanoqwen_prefix_cache_hit_tokens",
                                      "prompt tokens whose K/V came from the prefix cache", registry=r)
+        self.draft_tokens = Counter("nanoqwen_spec_decode_num_draft_tokens",
+                                    "draft tokens speculative decoding proposed", registry=r)
+        self.accepted_tokens = Counter("nanoqwen_spec_decode_num_accepted_tokens",
+                                       "draft tokens the model accepted", registry=r)
         self.cancelled = Counter("nanoqwen_requests_cancelled", "generations stopped because the client left",
                                  registry=r)
         self.ttft = Histogram("nanoqwen_time_to_first_token_seconds",

@@ -42,6 +42,8 @@ class Done:
     stop_word: str | None
     prompt_s: float            # generation start -> first token
     decode_s: float            # first token -> last token
+    drafted_tokens: int | None = None   # speculative decoding's draft tokens (None: the engine does not draft)
+    accepted_tokens: int = 0            # ... and those the model accepted
 
 
 @dataclass
@@ -70,6 +72,13 @@ class Job:
 def cached_tokens(engine) -> int:
     # the engine contract's field; engines from before prefix reuse lack it (nothing reused)
     return getattr(engine, "cached_tokens", 0)
+
+
+def draft_counts(engine) -> tuple[int | None, int]:
+    """(drafted, accepted) of the engine's most recent request; (None, 0) when it does not speculate."""
+    if getattr(engine, "speculate", None) is None:
+        return None, 0
+    return engine.drafted_tokens, engine.accepted_tokens
 
 
 def top_logprobs(tokenizer, logits: np.ndarray, token: int, k: int) -> tuple:
@@ -206,5 +215,8 @@ class Worker:
         m.prompt_tokens.inc(len(job.prompt))
         m.generation_tokens.inc(n)
         m.cached_tokens.inc(cached)
+        drafted, accepted = draft_counts(engine)   # final: the generator is closed
+        m.draft_tokens.inc(drafted or 0)
+        m.accepted_tokens.inc(accepted)
         job.emit(Done(finish, stream.flush(), n, cached, stream.stopped,
-                      (t_first or t0) - t0, (t_prev or t0) - (t_first or t0)))
+                      (t_first or t0) - t0, (t_prev or t0) - (t_first or t0), drafted, accepted))

@@ -1,0 +1,115 @@
+"""Draft tokens for speculative decoding (pure Python, host side; DESIGN.md section 11).
+
+A drafter follows one request's sequence (``append`` the tokens the engine accepted), proposes up to
+``k`` next tokens (``draft``) and hears how many of them the model accepted (``record``). A drafter kind
+(``PromptLookup``) is a frozen, hashable setting; calling it with a prompt starts a drafter for that
+request, so an engine holds the setting and a request holds its drafter.
+
+Prompt lookup: the longest recent n-gram of the sequence (n from ``max_ngram`` down to ``min_ngram``)
+found earlier in prompt + output proposes the tokens that followed its most recent earlier occurrence.
+An index n -> {n-gram: end of its most recent occurrence} is updated in O(max_ngram) per token, so a
+lookup costs max_ngram dictionary probes: nothing that grows with the sequence sits in the decode loop.
+
+k adapts to acceptance (the rule of Hugging Face's assisted generation): a draft accepted whole raises k
+by 2, any rejection lowers it by 1, within [1, max_draft]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import NanoqwenError
+
+SPECULATE_KINDS = ("lookup",)
+
+
+class SpeculateError(NanoqwenError):
+    pass
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    max_draft: int = 8     # the most tokens one verify step checks beyond the last accepted one
+    max_ngram: int = 4
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.max_draft <= 64:
+            raise SpeculateError(f"--draft-tokens must be in [1, 64], got {self.max_draft}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise SpeculateError(f"prompt lookup n-grams need 1 <= min_ngram <= max_ngram, got "
+                                 f"{self.min_ngram}..{self.max_ngram}")
+
+    def __call__(self, prompt: list[int]) -> "LookupDrafter":
+        return LookupDrafter(self, prompt)
+
+
+class LookupDrafter:
+    def __init__(self, setting: PromptLookup, prompt: list[int]):
+        self.setting = setting
+        self.k = setting.max_draft
+        self.tokens: list[int] = []
+        # index[n][gram] = e: tokens[e - n:e] == gram, the latest such e before the sequence's end
+        self.index: dict[int, dict[tuple, int]] = {n: {} for n in range(setting.min_ngram, setting.max_ngram + 1)}
+        self.append(prompt)
+
+    def append(self, tokens) -> None:
+        for t in tokens:
+            end = len(self.tokens)   # grams ending here become "earlier" once t follows them
+            for n, grams in self.index.items():
+                if end >= n:
+                    grams[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(int(t))
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to min(k, limit) tokens; [] when no n-gram of the sequence's end occurred before."""
+        k, seq = min(self.k, limit), self.tokens
+        if k < 1:
+            return []
+        for n in sorted(self.index, reverse=True):
+            if len(seq) >= n and (end := self.index[n].get(tuple(seq[len(seq) - n:]))) is not None:
+                return seq[end:end + k]
+        return []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.k = min(self.setting.max_draft, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+def accept(drafts: list[int], choices: list[int]) -> list[int]:
+    """A verify step's tokens: ``choices[i]`` is the model's token after ``drafts[:i]`` (len(drafts) + 1 of
+    them); the drafts that equal the model's choice are accepted, up to the first that does not, then the
+    model's own choice after them. Greedy output is therefore exactly plain greedy decoding's."""
+    a = 0
+    while a < len(drafts) and drafts[a] == choices[a]:
+        a += 1
+    return drafts[:a] + [choices[a]]
+
+
+class Speculation:
+    """One request's verify bookkeeping, the same in both engines: drafts from its drafter (none without
+    one: every step is then a plain one), acceptance, the drafter told the outcome, and the counts the
+    engine reports as ``drafted_tokens`` / ``accepted_tokens``."""
+
+    def __init__(self, drafter=None):
+        self.drafter, self.drafted, self.accepted = drafter, 0, 0
+
+    def draft(self, limit: int) -> list[int]:
+        return self.drafter.draft(limit) if self.drafter else []
+
+    def accept(self, drafts: list[int], choices: list[int]) -> list[int]:
+        """The verify step's tokens (``accept``); the drafter follows them."""
+        block = accept(drafts, choices)
+        self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(block) - 1
+        if self.drafter:
+            self.drafter.append(block)
+            self.drafter.record(len(drafts), len(block) - 1)
+        return block
+
+
+def drafter_setting(kind: str | None, draft_tokens: int = PromptLookup.max_draft) -> PromptLookup | None:
+    """The CLI's ``--speculate KIND [--draft-tokens K]`` as an engine setting (None: plain decoding)."""
+    if kind is None:
+        return None
+    if kind not in SPECULATE_KINDS:
+        raise SpeculateError(f"--speculate must be one of {', '.join(SPECULATE_KINDS)}, got {kind!r}")
+    return PromptLookup(max_draft=draft_tokens)

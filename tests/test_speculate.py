@@ -1,0 +1,167 @@
+"""Speculative greedy decoding on the numpy ReferenceEngine (backends.py), trained small-py model: the
+output is token for token plain greedy decoding's on 100 prompts with prompt lookup and with adversarial
+drafters (always wrong, oracle, random); the drafted / accepted counts are exact; the prefix cache keeps
+only accepted positions; logits rows, early close and temperature > 0 (drafting off) keep the contract."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import textwrap
+
+import numpy as np
+import pytest
+
+from nanoqwen import testmodels, tokenizer
+from nanoqwen.backends import ReferenceEngine, open_engine
+from nanoqwen.modelcache import resolve
+from nanoqwen.reference import Reference
+from nanoqwen.runtime.drafters import PromptLookup, accept
+from nanoqwen.runtime.sampler import Sampling
+
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
+        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
+    return path, tokenizer.load(path)
+
+
+@pytest.fixture(scope="module")
+def cases(packed):
+    """100 prompts (windows of a standard-library module's source: code that repeats itself, as edits
+    do) with their plain greedy continuations from the bare simulation."""
+    path, tok = packed
+    src = tok.encode(inspect.getsource(textwrap))
+    ref = Reference.from_file(path, max_seq=256)
+    prompts = [src[i * 53:i * 53 + 24 + i % 17] for i in range(100)]
+    return [(p, ref.generate_greedy(p, N_NEW)) for p in prompts]
+
+
+class Scripted:
+    """A drafter that knows the expected continuation and drafts from it through ``mangle``."""
+
+    def __init__(self, prompt, expected, mangle, k=4):
+        self.P, self.seq, self.expected, self.mangle, self.k = len(prompt), list(prompt), expected, mangle, k
+
+    def append(self, tokens):
+        self.seq += tokens
+
+    def draft(self, limit):
+        done = len(self.seq) - self.P
+        return [self.mangle(t) for t in self.expected[done:done + min(self.k, limit)]]
+
+    def record(self, drafted, accepted):
+        pass
+
+
+def test_accept_rule():
+    assert accept([], [7]) == [7]
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
+    assert accept([1, 2, 3], [1, 5, 3, 4]) == [1, 5]
+    assert accept([1, 2, 3], [9, 2, 3, 4]) == [9]
+
+
+def test_prompt_lookup_is_plain_greedy_on_100_prompts(packed, cases):
+    e = ReferenceEngine(packed[0], context=256, speculate=PromptLookup(max_draft=6))
+    drafted = accepted = 0
+    for prompt, expected in cases:
+        assert list(e.generate(prompt, N_NEW)) == expected
+        assert 0 <= e.accepted_tokens <= e.drafted_tokens
+        drafted, accepted = drafted + e.drafted_tokens, accepted + e.accepted_tokens
+    assert accepted > 0 and drafted > accepted   # lookup both hits and misses on this text
+
+
+@pytest.mark.parametrize("kind", ["wrong", "oracle", "random"])
+def test_adversarial_drafters_keep_greedy_output(packed, cases, kind):
+    e = ReferenceEngine(packed[0], context=256)
+    vocab, rng = e.dims.vocab, random.Random(0)
+    mangle = {"wrong": lambda t: (t + 1) % vocab, "oracle": lambda t: t,
+              "random": lambda t: t if rng.random() < 0.5 else rng.randrange(vocab)}[kind]
+    for prompt, expected in cases[:40]:
+        e.speculate = lambda p, expected=expected: Scripted(p, expected, mangle)
+        assert list(e.generate(prompt, N_NEW)) == expected
+        if kind == "wrong":   # one token per step, each step drafting min(4, the tokens left but one)
+            assert (e.drafted_tokens, e.accepted_tokens) == (sum(min(4, N_NEW - 1 - i) for i in range(1, N_NEW)), 0)
+        if kind == "oracle":   # 1 from prefill, 4 + 1 twice, then the last token with nothing left to draft
+            assert (e.drafted_tokens, e.accepted_tokens) == (8, 8)
+
+
+def test_kept_sequence_counts_accepted_positions_only(packed, cases):
+    """Rejected drafts' K/V is never kept: the kept tokens are prompt + every generated token but the
+    last, and a request continuing them reuses exactly those and generates what a cold engine does."""
+    path, _ = packed
+    prompt, expected = cases[3]
+    e = ReferenceEngine(path, context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: (t + 1) % e.dims.vocab, k=3)
+    assert list(e.generate(prompt, N_NEW)) == expected
+    (kept,) = e.cache.kept.values()
+    assert kept.tokens == prompt + expected[:-1]
+    assert all(len(rows) == len(kept.tokens) for kv in kept.payload for rows in kv)
+    follow = prompt + expected
+    e.speculate = PromptLookup()
+    again = list(e.generate(follow, N_NEW))
+    assert e.cached_tokens == len(follow) - 1
+    assert again == list(ReferenceEngine(path, context=256).generate(follow, N_NEW))
+
+
+def test_logits_rows_match_plain_decoding(packed, cases):
+    path, _ = packed
+    prompt, expected = cases[7]
+    plain = list(ReferenceEngine(path, context=256).generate(prompt, N_NEW, logits=True))
+    e = ReferenceEngine(path, context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    spec = list(e.generate(prompt, N_NEW, logits=True))
+    assert [t for t, _ in spec] == expected == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(spec, plain):   # a verify row is a decode row up to the batched GEMM's rounding
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * np.abs(b).max())
+    assert spec[0][1] is not spec[1][1]        # copies, safe to keep
+
+
+def test_early_close_keeps_what_was_computed(packed, cases):
+    """Closing mid-block (the oracle accepts 4 at a time) keeps the accepted positions; the next request
+    continuing them generates the cold output."""
+    path, _ = packed
+    prompt, expected = cases[11]
+    e = ReferenceEngine(path, context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    stream = e.generate(prompt, N_NEW)
+    got = [next(stream) for _ in range(3)]
+    stream.close()
+    assert got == expected[:3]
+    (kept,) = e.cache.kept.values()
+    assert kept.tokens == (prompt + expected)[:len(kept.tokens)] and len(kept.tokens) >= len(prompt) + 2
+    follow = prompt + expected[:6]
+    e.speculate = PromptLookup()
+    assert list(e.generate(follow, 8)) == list(ReferenceEngine(path, context=256).generate(follow, 8))
+    assert e.cached_tokens == len(kept.tokens)
+
+
+def test_sampling_switches_drafting_off(packed, cases):
+    path, _ = packed
+    prompt, _ = cases[0]
+    sampling = Sampling(temperature=0.8, seed=5)
+    e = ReferenceEngine(path, context=256)
+    e.speculate = lambda p: pytest.fail("a drafter was started for a sampled request")
+    out = list(e.generate(prompt, N_NEW, sampling))
+    assert (e.drafted_tokens, e.accepted_tokens) == (0, 0)
+    assert out == list(ReferenceEngine(path, context=256).generate(prompt, N_NEW, sampling))
+
+
+def test_open_engine_passes_the_setting(packed):
+    path, _ = packed
+    e = open_engine("reference", path, 64, speculate=PromptLookup(max_draft=3))
+    assert e.speculate == PromptLookup(max_draft=3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_shortest_requests(packed, cases, n):
+    """max_new_tokens 1..3: nothing or little left to draft; the output is still plain greedy's."""
+    prompt, expected = cases[5]
+    e = ReferenceEngine(packed[0], context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    assert list(e.generate(prompt, n)) == expected[:n]
+    assert e.drafted_tokens == e.accepted_tokens == max(0, n - 2)
