@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 
 from nanoqwen import codegen, config, paths
@@ -70,8 +71,10 @@ def _good_args(spec) -> dict:
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])
 def test_launch_packing_follows_the_declaration(spec):
-    slots, ptrs = driver.pack_args(spec.signature, _good_args(spec), spec.uri)
-    assert len(ptrs) == len(spec.signature) and list(slots[:2]) == list(_good_args(spec).values())[:2]
+    n = len(spec.signature)
+    memory, params = driver.pack_args(spec.signature, _good_args(spec), spec.uri)
+    assert list(memory[:2]) == list(_good_args(spec).values())[:2]
+    assert params == memory.ctypes.data + 8 * n and list(memory[n:2 * n]) == [memory.ctypes.data + 8 * i for i in range(n)]
     first, (last, last_kind) = spec.signature[0][0], spec.signature[-1]
     bad = {"missing": {k: v for k, v in _good_args(spec).items() if k != last},
            "unexpected": {**_good_args(spec), "stray": 1},
@@ -114,3 +117,21 @@ def test_function_launch_refuses_before_touching_the_driver(spec):
     args.pop(spec.signature[0][0])
     with pytest.raises(driver.CudaError, match=rf"{spec.uri}: .*missing \['{spec.signature[0][0]}'\]"):
         fn.launch(spec.launch(), None, True, **args)
+
+
+def test_fast_packing_is_the_checked_packing():
+    """The struct fast path and the converting, checking path lay out the same bytes; what struct would
+    take but the signature refuses (a bool) still goes to the check."""
+    packer = driver.ArgPacker((("p", "ptr"), ("i", "i32"), ("u", "u32"), ("q", "u64"), ("f", "f32")), "k")
+    args = {"p": 2**64 - 1, "i": -5, "u": 2**32 - 1, "q": 7, "f": 0.5}
+    memory, params = packer.pack(args)
+    slots = memory[:5]
+    assert slots.tobytes() == packer.struct.pack(*packer._checked(args))
+    assert slots.view(np.int32)[2] == -5 and slots.view(np.float32)[8] == 0.5 and slots[0] == 2**64 - 1
+    assert params == memory.ctypes.data + 40 and memory[5:10].tolist() == [memory.ctypes.data + 8 * i for i in range(5)]
+    assert driver.ArgPacker((), "k").pack({})[1] == 0   # no parameters: NULL kernelParams
+    typed = {"p": np.uint64(2**64 - 1), "i": np.int32(-5), "u": np.uint32(2**32 - 1), "q": np.int64(7),
+             "f": np.float32(0.5)}
+    assert packer.pack(typed)[0][:5].tobytes() == slots.tobytes()
+    with pytest.raises(driver.CudaError, match="argument 'i' must be an integer, got bool"):
+        packer.pack({**args, "i": True})

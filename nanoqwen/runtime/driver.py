@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -264,7 +265,7 @@ class DeviceBuffer:
             check(cu.cuMemFree(self.ptr), "cuMemFree")
             self.ptr = 0
 
-    def __int__(self) -> int:
+    def __index__(self) -> int:   # its address wherever an integer is taken: int(), ArgPacker's struct
         return self.ptr
 
 
@@ -334,27 +335,59 @@ def check_signature(signature, where: str) -> tuple[tuple[str, str], ...]:
     return signature
 
 
+_SLOT = {"ptr": "Q", "u64": "Q", "i32": "i4x", "u32": "I4x", "f32": "f4x"}   # one 8-byte slot per parameter
+
+
+class ArgPacker:
+    """Launch arguments by name -> cuLaunchKernelEx's kernelParams, checked against the kernel's (name, kind)
+    signature: a missing, unexpected or mistyped argument is a CudaError naming the kernel and the argument,
+    raised before anything reaches the driver. One 8-byte slot per parameter (its value in the low bytes,
+    little-endian); the driver copies the values out when the launch (or its capture) is made.
+
+    A launch costs host time that a short prefill chunk does not hide (~250 launches), so the common case
+    is one struct.pack_into; only what struct refuses (or a bool, a DeviceBuffer, a CUdeviceptr) takes the
+    converting, checking path."""
+
+    def __init__(self, signature, where: str):
+        self.signature, self.where = check_signature(signature, where), where
+        self.names = tuple(n for n, _ in self.signature)
+        self.struct = struct.Struct("<" + "".join(_SLOT[k] for _, k in self.signature))
+        self.offsets = np.arange(len(self.names), dtype=np.uint64) * np.uint64(8)
+
+    def pack(self, args: dict) -> tuple[np.ndarray, int]:
+        """-> (memory, kernelParams): ``memory`` holds the slots, then the address of each slot (the void**
+        array that kernelParams points at; NULL for a kernel without parameters). It must stay alive until
+        the launch call returns."""
+        n = len(self.names)
+        memory = np.empty(2 * n + 1, dtype=np.uint64)
+        base = memory.ctypes.data
+        try:
+            if len(args) != n:
+                raise KeyError
+            values = [args[name] for name in self.names]
+            if bool in map(type, values):
+                raise TypeError
+            self.struct.pack_into(memory, 0, *values)
+        except (KeyError, TypeError, OverflowError, struct.error):
+            self.struct.pack_into(memory, 0, *self._checked(args))
+        np.add(self.offsets, np.uint64(base), out=memory[n:2 * n])
+        return memory, base + 8 * n if n else 0
+
+    def _checked(self, args: dict) -> list:
+        missing = [n for n in self.names if n not in args]
+        extra = [n for n in args if n not in self.names]
+        if missing or extra:
+            raise CudaError(f"{self.where}: launch arguments do not match the kernel parameters "
+                            f"{list(self.names)}: missing {missing}, unexpected {extra}")
+        return [_pack_value(kind, name, args[name], self.where) for name, kind in self.signature]
+
+
 def pack_args(signature, args: dict, where: str):
-    """Launch arguments by name -> (slots, ptrs) for cuLaunchKernelEx's kernelParams, checked against the
-    kernel's (name, kind) signature first: a missing, unexpected or mistyped argument is a CudaError naming
-    the kernel and the argument, raised before anything reaches the driver. ``slots`` holds one 8-byte
-    slot per parameter (its value in the low bytes, little-endian), ``ptrs`` the address of each slot:
-    the void** kernelParams; the driver copies the values out when the launch (or its capture) is made."""
-    names = [n for n, _ in signature]
-    missing = [n for n in names if n not in args]
-    extra = [n for n in args if n not in names]
-    if missing or extra:
-        raise CudaError(f"{where}: launch arguments do not match the kernel parameters {names}: "
-                        f"missing {missing}, unexpected {extra}")
-    slots = np.zeros(max(1, len(names)), dtype=np.uint64)
-    for i, (name, kind) in enumerate(signature):
-        v = _pack_value(kind, name, args[name], where)
-        slots[i:i + 1].view(np.uint8)[:np.dtype(_KINDS[kind]).itemsize] = \
-            np.array([v], dtype=_KINDS[kind]).view(np.uint8)
-    ptrs = np.array([slots.ctypes.data + 8 * i for i in range(len(names))] or [0], dtype=np.uint64)
-    return slots, ptrs
+    """ArgPacker(signature, where).pack(args): the check and packing alone (no device needed)."""
+    return ArgPacker(signature, where).pack(args)
 
 
+@functools.lru_cache(maxsize=4096)   # a handful of distinct grids, each launched many times
 def _dims3(d) -> tuple[int, int, int]:
     d = (d,) if isinstance(d, int) else tuple(d)
     return tuple(int(v) for v in d) + (1,) * (3 - len(d))
@@ -365,7 +398,8 @@ class Function:
         self.handle = handle
         self.entry = entry
         self.uri = uri or entry
-        self.signature = check_signature(signature, self.uri)
+        self.params = ArgPacker(signature, self.uri)
+        self.signature = self.params.signature
         self._module = module      # keeps the module alive as long as the function
         self._smem_limit = 48 * 1024
 
@@ -380,8 +414,7 @@ class Function:
 
     def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
         grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
-        where = f"cuLaunchKernelEx({self.uri}, grid={grid}, block={block}, smem={smem}, pdl={pdl})"
-        slots, ptrs = pack_args(self.signature, args, self.uri)
+        memory, params = self.params.pack(args)
         if smem > self._smem_limit:
             self.set_max_dynamic_smem(smem)
         config = cu.CUlaunchConfig()
@@ -390,18 +423,24 @@ class Function:
         config.sharedMemBytes = smem
         config.hStream = _stream_handle(stream)
         if pdl:
-            # Programmatic Dependent Launch: this kernel may start while the previous one in the stream
-            # finishes; it must griddepcontrol.wait before reading what that kernel wrote.
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
+            config.attrs, config.numAttrs = _pdl_attrs(), 1
         else:
             config.numAttrs = 0
-        # kernelParams = ptrs (NULL for a kernel without parameters), no `extra`; `slots` must stay
-        # alive until the call returns, which it does as a local.
-        check(cu.cuLaunchKernelEx(config, self.handle, int(ptrs.ctypes.data) if self.signature else 0, 0), where)
+        # no `extra`; `memory` stays alive until the call returns, as a local
+        result = cu.cuLaunchKernelEx(config, self.handle, params, 0)
+        if result[0] != cu.CUresult.CUDA_SUCCESS:   # the message is built only for a failure
+            check(result, f"cuLaunchKernelEx({self.uri}, grid={grid}, block={block}, smem={smem}, pdl={pdl})")
+
+
+@functools.cache
+def _pdl_attrs() -> list:
+    """Programmatic Dependent Launch: a kernel may start while the previous one in the stream finishes;
+    it must griddepcontrol.wait before reading what that kernel wrote. One attribute, shared by every
+    launch (the driver reads it during the call)."""
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return [attr]
 
 
 class Module:

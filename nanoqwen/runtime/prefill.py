@@ -11,7 +11,8 @@ kernel waits before touching what its predecessor wrote):
                   pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
                   -> rmsnorm_prefill -> gemm gate/up (SwiGLU, a16) -> gemm down (h +=)
                   (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail; such
-                  a chunk's attention is split-KV, attention_prefill -> attention_prefill_combine -> o16)
+                  a chunk's attention is split-KV where its keys make 2 splits or more,
+                  attention_prefill -> attention_prefill_combine -> o16)
 Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
 Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
 runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
@@ -39,7 +40,7 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     decode step's roles (runtime/decoder.py step_specs) in one kernel table. Each GEMM comes twice:
     ``prefill.<role>`` with the default tiles and ``prefill.small.<role>`` with gemm.SMALL_M_TILES for
     chunks of at most ``prefill.small_m_tokens`` rows, and so does the attention: ``prefill.small.attention``
-    is the split-KV variant, followed by ``prefill.small.attention_combine``."""
+    is the split-KV variant, followed by ``prefill.small.attention_combine`` (one split: ``prefill.attention``)."""
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
     rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
     split_attn, combine = attention_prefill.split_kv_specs(dims, cfg, profile)
@@ -100,12 +101,16 @@ class Prefiller:
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
         self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
+        self._grids = {}   # (role, shape) -> Launch: one checked Launch per shape, not one per launch
 
     def _launch(self, role: str, *shape: int, **args) -> None:
         """One prefill kernel, its grid ``spec.launch(*shape)`` (a chunk's rows, then KV splits where the
         kernel takes them), with PDL (each one waits before it touches its predecessor's output)."""
         spec, fn = self.kernels["prefill." + role]
-        fn.launch(spec.launch(*shape), self.shared.stream, True, **args)
+        launch = self._grids.get((role, shape))
+        if launch is None:
+            launch = self._grids[role, shape] = spec.launch(*shape)
+        fn.launch(launch, self.shared.stream, True, **args)
 
     def _attention(self, layer: int, c0: int, n: int) -> None:
         """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine."""
@@ -113,10 +118,10 @@ class Prefiller:
         args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table,
                     p0=c0, n=n)
         role = gemm_role("attention", n, self.small_m_tokens)
-        if role == "attention":
-            self._launch(role, n, o16=b.o16, **args)
-            return
         splits = self.kernels["prefill." + role][0].splits_for(c0 + n)
+        if splits == 1:   # the unsplit kernel: no partials to combine, and the very bits of a long chunk's rows
+            self._launch("attention", n, o16=b.o16, **args)
+            return
         self._launch(role, n, splits, part_acc=b.part_acc, part_ml=b.part_ml, **args)
         self._launch(role + "_combine", n, part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16, splits=splits, n=n)
 
