@@ -26,6 +26,7 @@ PER_LAYER = ["rmsnorm", "qkv", "rope_append", "attention", "o_proj", "rmsnorm", 
 NO_WEIGHTS = {role: spec for role, spec in prefill_mod.prefill_specs(QWEN25_7B, config.default()).items()
               if not isinstance(spec, gemm.GemmInt4Spec)}
 SMALL_M = config.default().prefill.small_m_tokens
+SPLIT_ATTENTION = prefill_mod.prefill_specs(QWEN25_7B, config.default())["prefill.small.attention"]
 
 
 @pytest.mark.parametrize("P", [1, 15, 16, 17, 100, 511, 512, 513, 600, 1024, 1025])
@@ -83,7 +84,8 @@ def inside(ptr: int, nbytes: int) -> bool:
 
 
 @pytest.mark.parametrize("p0,P,C", [(0, 1, 512), (0, 17, 16), (0, 100, 512), (0, 100, 32), (0, 600, 512),
-                                    (16, 17, 16), (5, 100, 32), (99, 100, 512), (37, 600, 512)])
+                                    (16, 17, 16), (5, 100, 32), (99, 100, 512), (150, 200, 512),
+                                    (37, 600, 512)])
 def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     """Positions [p0, P) of a sequence through Runner.prefill: the chunks start at p0, read the ids of
     their own positions, and the lm_head runs on the last row as step P - 1."""
@@ -103,13 +105,13 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     assert int(sh.bufs.argmax_done.mem.view(np.uint32)[0]) == 0
 
     roles = [r for r, *_ in log]
-    assert roles == [role for _, n in plan for role in chunk_roles(n, d.layers)] + ["lm_head"]
+    assert roles == [role for c0, n in plan for role in chunk_roles(c0, n, d.layers)] + ["lm_head"]
     b, hid = pre.bufs, d.hidden
     k = 0
     for c0, n in plan:
-        per_layer = len(chunk_roles(n, 1)) - 1
-        split_kv = n <= SMALL_M
+        per_layer = len(chunk_roles(c0, n, 1)) - 1
         splits = kernels["prefill.small.attention"][0].splits_for(c0 + n)
+        split_kv = n <= SMALL_M and splits > 1
         for role, launch, pdl, args in log[k:k + 1 + per_layer * d.layers]:
             spec = kernels[role][0]
             assert pdl, f"{role} launched without PDL"
@@ -166,12 +168,14 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
     assert inside(args["h"], 4 * hid) and args["h"] + 4 * hid <= b.h.ptr + 4 * hid * plan[-1][1]
 
 
-def chunk_roles(n: int, layers: int, small_m: int = SMALL_M) -> list[str]:
-    """The roles one chunk of n tokens launches: its GEMMs small-M ones and its attention split-KV (plus
-    the combine) up to small_m rows."""
-    small = set(gemm.model_gemms(QWEN25_7B)) | {"attention"}
-    per_layer = [("small." if r in small and n <= small_m else "") + r for r in PER_LAYER]
-    if n <= small_m:
+def chunk_roles(c0: int, n: int, layers: int, small_m: int = SMALL_M) -> list[str]:
+    """The roles the chunk of n tokens at c0 launches: its GEMMs small-M ones up to small_m rows, and then
+    its attention split-KV (plus the combine) where its keys make 2 splits or more, else the unsplit one."""
+    small = n <= small_m
+    split = small and SPLIT_ATTENTION.splits_for(c0 + n) > 1
+    per_layer = [("small." if r in gemm.model_gemms(QWEN25_7B) and small or r == "attention" and split else "") + r
+                 for r in PER_LAYER]
+    if split:
         per_layer.insert(per_layer.index("small.attention") + 1, "small.attention_combine")
     return ["prefill.embed"] + ["prefill." + r for r in per_layer] * layers
 
@@ -184,7 +188,8 @@ def test_chunks_pick_their_gemm_tiles(nqfile, monkeypatch, small_m):
     run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=32, fn=lambda role, spec: RecFn(role, log))
     run.prefiller.small_m_tokens = small_m
     run.prefill(list(range(1, 101)), 0, read_token=True)
-    assert [r for r, *_ in log] == [r for n in (32, 32, 32, 4) for r in chunk_roles(n, nqfile.dims.layers, small_m)] \
+    assert [r for r, *_ in log] == [r for c0, n in ((0, 32), (32, 32), (64, 32), (96, 4))
+                                    for r in chunk_roles(c0, n, nqfile.dims.layers, small_m)] \
         + ["lm_head"]
     kernels = run.decoder.kernels
     for role, launch, _, args in log:
