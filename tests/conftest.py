@@ -55,6 +55,17 @@ def fresh_build(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="session")
+def small_py(tmp_path_factory):
+    """(path, tokenizer) of the small-py test model packed into a .nanoqwen file of a cache of its own."""
+    from nanoqwen import testmodels, tokenizer
+    from nanoqwen.modelcache import resolve
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
+        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
+    return path, tokenizer.load(path)
+
+
 def pytest_collection_modifyitems(config, items):
     from nanoqwen.backends import cuda_available   # not at the top: conftest loads before the run is configured
     if cuda_available():

@@ -9,25 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen import NanoqwenError, testmodels
+from nanoqwen import NanoqwenError
 from nanoqwen.backends import ReferenceEngine, open_engine
-from nanoqwen.modelcache import resolve
 from nanoqwen.reference import Reference
 from nanoqwen.runtime.generate import ContextError
 from nanoqwen.runtime.prefix_cache import common_prefix
 from nanoqwen.runtime.sampler import Sampling
-from nanoqwen import tokenizer
 
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 MORE = "\n\ndef main():\n    print("
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
-        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
-    return path, tokenizer.load(path)
 
 
 def cold(path, prompt, n, **kw):
@@ -38,8 +28,8 @@ def cold(path, prompt, n, **kw):
     return out
 
 
-def test_reuse_matches_cold_prefill_and_counts(packed):
-    path, tok = packed
+def test_reuse_matches_cold_prefill_and_counts(small_py):
+    path, tok = small_py
     e = ReferenceEngine(path, context=256)
     p1 = tok.encode(CODE)
     g1 = list(e.generate(p1, 8))
@@ -58,8 +48,8 @@ def test_reuse_matches_cold_prefill_and_counts(packed):
     assert g3 == cold(path, p3, 6)
 
 
-def test_closing_early_keeps_only_computed_positions(packed):
-    path, tok = packed
+def test_closing_early_keeps_only_computed_positions(small_py):
+    path, tok = small_py
     e = ReferenceEngine(path, context=256)
     p = tok.encode(CODE)
     full = list(e.generate(p, 10))
@@ -73,8 +63,8 @@ def test_closing_early_keeps_only_computed_positions(packed):
     assert full == cold(path, p, 10)
 
 
-def test_lru_eviction_within_kv_tokens(packed):
-    path, tok = packed
+def test_lru_eviction_within_kv_tokens(small_py):
+    path, tok = small_py
     prompts = [tok.encode(s) for s in ("import os\nimport sys\n" * 3, "class Foo:\n    def bar(self):\n" * 2,
                                         "for i in range(10):\n    print(i)\n" * 2)]
     longest = max(len(p) for p in prompts) + 4
@@ -92,8 +82,8 @@ def test_lru_eviction_within_kv_tokens(packed):
 
 
 @pytest.mark.parametrize("reuse", [False, True])
-def test_logits_rows_equal_the_reference(packed, reuse):
-    path, tok = packed
+def test_logits_rows_equal_the_reference(small_py, reuse):
+    path, tok = small_py
     e = ReferenceEngine(path, context=256)
     p = tok.encode(CODE)
     kept = p[:-5] + list(e.generate(p[:-5], 3))[:2] if reuse else []
@@ -113,8 +103,8 @@ def test_logits_rows_equal_the_reference(packed, reuse):
     assert [t for t, _ in e.generate(p, 6, logits=True)] == toks
 
 
-def test_sampling_is_reproducible_with_reuse(packed):
-    path, tok = packed
+def test_sampling_is_reproducible_with_reuse(small_py):
+    path, tok = small_py
     e = ReferenceEngine(path, context=256)
     p = tok.encode(CODE)
     s = Sampling(temperature=0.8, top_p=0.95, seed=5)
@@ -123,8 +113,8 @@ def test_sampling_is_reproducible_with_reuse(packed):
     assert e.cached_tokens == len(p) - 1 and a == b
 
 
-def test_request_errors_raise_before_anything_runs(packed):
-    path, _ = packed
+def test_request_errors_raise_before_anything_runs(small_py):
+    path, _ = small_py
     e = ReferenceEngine(path, context=32)
     list(e.generate([5, 6, 7], 2))
     for prompt, n in (([], 4), ([1, 99999], 4), ([1] * 30, 8), ([1, 2], 0)):
@@ -133,8 +123,8 @@ def test_request_errors_raise_before_anything_runs(packed):
     assert len(e.cache.kept) == 1, "a refused request changed the cache"
 
 
-def test_one_request_at_a_time(packed):
-    path, _ = packed
+def test_one_request_at_a_time(small_py):
+    path, _ = small_py
     e = ReferenceEngine(path, context=64)
     it = e.generate([5, 6, 7], 4)
     next(it)
@@ -144,8 +134,8 @@ def test_one_request_at_a_time(packed):
     assert len(list(e.generate([5, 6, 7], 4))) == 4
 
 
-def test_open_engine_passes_kv_tokens(packed):
-    path, _ = packed
+def test_open_engine_passes_kv_tokens(small_py):
+    path, _ = small_py
     e = open_engine("reference", path, 64, kv_tokens=256)
     assert e.context == 64 and e.cache.pool.num_pages * e.cache.page_size == 256
     with pytest.raises(NanoqwenError, match="kv_tokens"):

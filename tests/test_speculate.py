@@ -11,10 +11,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from _drafting import Scripted
 
-from nanoqwen import testmodels, tokenizer
 from nanoqwen.backends import ReferenceEngine, open_engine
-from nanoqwen.modelcache import resolve
 from nanoqwen.reference import Reference
 from nanoqwen.runtime.drafters import PromptLookup, accept
 from nanoqwen.runtime.sampler import Sampling
@@ -23,39 +22,14 @@ N_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
-        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
-    return path, tokenizer.load(path)
-
-
-@pytest.fixture(scope="module")
-def cases(packed):
+def cases(small_py):
     """100 prompts (windows of a standard-library module's source: code that repeats itself, as edits
     do) with their plain greedy continuations from the bare simulation."""
-    path, tok = packed
+    path, tok = small_py
     src = tok.encode(inspect.getsource(textwrap))
     ref = Reference.from_file(path, max_seq=256)
     prompts = [src[i * 53:i * 53 + 24 + i % 17] for i in range(100)]
     return [(p, ref.generate_greedy(p, N_NEW)) for p in prompts]
-
-
-class Scripted:
-    """A drafter that knows the expected continuation and drafts from it through ``mangle``."""
-
-    def __init__(self, prompt, expected, mangle, k=4):
-        self.P, self.seq, self.expected, self.mangle, self.k = len(prompt), list(prompt), expected, mangle, k
-
-    def append(self, tokens):
-        self.seq += tokens
-
-    def draft(self, limit):
-        done = len(self.seq) - self.P
-        return [self.mangle(t) for t in self.expected[done:done + min(self.k, limit)]]
-
-    def record(self, drafted, accepted):
-        pass
 
 
 def test_accept_rule():
@@ -65,8 +39,8 @@ def test_accept_rule():
     assert accept([1, 2, 3], [9, 2, 3, 4]) == [9]
 
 
-def test_prompt_lookup_is_plain_greedy_on_100_prompts(packed, cases):
-    e = ReferenceEngine(packed[0], context=256, speculate=PromptLookup(max_draft=6))
+def test_prompt_lookup_is_plain_greedy_on_100_prompts(small_py, cases):
+    e = ReferenceEngine(small_py[0], context=256, speculate=PromptLookup(max_draft=6))
     drafted = accepted = 0
     for prompt, expected in cases:
         assert list(e.generate(prompt, N_NEW)) == expected
@@ -76,13 +50,13 @@ def test_prompt_lookup_is_plain_greedy_on_100_prompts(packed, cases):
 
 
 @pytest.mark.parametrize("kind", ["wrong", "oracle", "random"])
-def test_adversarial_drafters_keep_greedy_output(packed, cases, kind):
-    e = ReferenceEngine(packed[0], context=256)
+def test_adversarial_drafters_keep_greedy_output(small_py, cases, kind):
+    e = ReferenceEngine(small_py[0], context=256)
     vocab, rng = e.dims.vocab, random.Random(0)
     mangle = {"wrong": lambda t: (t + 1) % vocab, "oracle": lambda t: t,
               "random": lambda t: t if rng.random() < 0.5 else rng.randrange(vocab)}[kind]
     for prompt, expected in cases[:40]:
-        e.speculate = lambda p, expected=expected: Scripted(p, expected, mangle)
+        e.speculate = lambda p, expected=expected: Scripted(p, expected, mangle, 4)
         assert list(e.generate(prompt, N_NEW)) == expected
         if kind == "wrong":   # one token per step, each step drafting min(4, the tokens left but one)
             assert (e.drafted_tokens, e.accepted_tokens) == (sum(min(4, N_NEW - 1 - i) for i in range(1, N_NEW)), 0)
@@ -90,10 +64,10 @@ def test_adversarial_drafters_keep_greedy_output(packed, cases, kind):
             assert (e.drafted_tokens, e.accepted_tokens) == (8, 8)
 
 
-def test_kept_sequence_counts_accepted_positions_only(packed, cases):
+def test_kept_sequence_counts_accepted_positions_only(small_py, cases):
     """Rejected drafts' K/V is never kept: the kept tokens are prompt + every generated token but the
     last, and a request continuing them reuses exactly those and generates what a cold engine does."""
-    path, _ = packed
+    path, _ = small_py
     prompt, expected = cases[3]
     e = ReferenceEngine(path, context=256)
     e.speculate = lambda p: Scripted(p, expected, lambda t: (t + 1) % e.dims.vocab, k=3)
@@ -108,12 +82,12 @@ def test_kept_sequence_counts_accepted_positions_only(packed, cases):
     assert again == list(ReferenceEngine(path, context=256).generate(follow, N_NEW))
 
 
-def test_logits_rows_match_plain_decoding(packed, cases):
-    path, _ = packed
+def test_logits_rows_match_plain_decoding(small_py, cases):
+    path, _ = small_py
     prompt, expected = cases[7]
     plain = list(ReferenceEngine(path, context=256).generate(prompt, N_NEW, logits=True))
     e = ReferenceEngine(path, context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
     spec = list(e.generate(prompt, N_NEW, logits=True))
     assert [t for t, _ in spec] == expected == [t for t, _ in plain]
     for (_, a), (_, b) in zip(spec, plain):   # a verify row is a decode row up to the batched GEMM's rounding
@@ -121,13 +95,13 @@ def test_logits_rows_match_plain_decoding(packed, cases):
     assert spec[0][1] is not spec[1][1]        # copies, safe to keep
 
 
-def test_early_close_keeps_what_was_computed(packed, cases):
+def test_early_close_keeps_what_was_computed(small_py, cases):
     """Closing mid-block (the oracle accepts 4 at a time) keeps the accepted positions; the next request
     continuing them generates the cold output."""
-    path, _ = packed
+    path, _ = small_py
     prompt, expected = cases[11]
     e = ReferenceEngine(path, context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
     stream = e.generate(prompt, N_NEW)
     got = [next(stream) for _ in range(3)]
     stream.close()
@@ -140,8 +114,8 @@ def test_early_close_keeps_what_was_computed(packed, cases):
     assert e.cached_tokens == len(kept.tokens)
 
 
-def test_sampling_switches_drafting_off(packed, cases):
-    path, _ = packed
+def test_sampling_switches_drafting_off(small_py, cases):
+    path, _ = small_py
     prompt, _ = cases[0]
     sampling = Sampling(temperature=0.8, seed=5)
     e = ReferenceEngine(path, context=256)
@@ -151,17 +125,17 @@ def test_sampling_switches_drafting_off(packed, cases):
     assert out == list(ReferenceEngine(path, context=256).generate(prompt, N_NEW, sampling))
 
 
-def test_open_engine_passes_the_setting(packed):
-    path, _ = packed
+def test_open_engine_passes_the_setting(small_py):
+    path, _ = small_py
     e = open_engine("reference", path, 64, speculate=PromptLookup(max_draft=3))
     assert e.speculate == PromptLookup(max_draft=3)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_shortest_requests(packed, cases, n):
+def test_shortest_requests(small_py, cases, n):
     """max_new_tokens 1..3: nothing or little left to draft; the output is still plain greedy's."""
     prompt, expected = cases[5]
-    e = ReferenceEngine(packed[0], context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t)
+    e = ReferenceEngine(small_py[0], context=256)
+    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
     assert list(e.generate(prompt, n)) == expected[:n]
     assert e.drafted_tokens == e.accepted_tokens == max(0, n - 2)

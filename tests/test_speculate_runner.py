@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from _drafting import Scripted
 from test_decoder_plan import PROMPT, fake_device, nqfile  # noqa: F401 - nqfile is a fixture
 
 from nanoqwen.reference import Reference
@@ -18,23 +19,6 @@ from nanoqwen.runtime.drafters import PromptLookup
 from nanoqwen.runtime.sampler import Sampling
 
 N_NEW = 14
-
-
-class Scripted:
-    """Drafts the expected continuation through ``mangle``, k = 3."""
-
-    def __init__(self, prompt, expected, mangle):
-        self.P, self.seq, self.expected, self.mangle = len(prompt), list(prompt), expected, mangle
-
-    def append(self, tokens):
-        self.seq += tokens
-
-    def draft(self, limit):
-        done = len(self.seq) - self.P
-        return [self.mangle(t) for t in self.expected[done:done + min(3, limit)]]
-
-    def record(self, drafted, accepted):
-        pass
 
 
 def spec_device(nqfile, monkeypatch, batched: bool):  # noqa: F811
@@ -71,7 +55,7 @@ def test_speculative_tokens_are_plain_greedy(nqfile, monkeypatch, batched, kind)
               "random": lambda t: t if rng.random() < 0.6 else rng.randrange(vocab)}.get(kind)
     for p, want in zip(prompts, plain):
         run.speculate = PromptLookup(max_draft=4) if kind == "lookup" else \
-            (lambda q, want=want: Scripted(q, want, mangle))
+            (lambda q, want=want: Scripted(q, want, mangle, 3))
         run.cache.clear()
         dev.fed.clear()
         assert list(run.generate(p, N_NEW)) == want
@@ -102,7 +86,7 @@ def test_close_mid_block_keeps_accepted_positions(nqfile, monkeypatch):  # noqa:
     run, dev = spec_device(nqfile, monkeypatch, True)
     want = list(run.generate(PROMPT, N_NEW))
     run.cache.clear()
-    run.speculate = lambda q: Scripted(q, want, lambda t: t)
+    run.speculate = lambda q: Scripted(q, want, lambda t: t, 3)
     it = run.generate(PROMPT, N_NEW)
     first = [next(it) for _ in range(3)]   # the prefill's token, then 2 of the first verify's 4
     it.close()
@@ -123,7 +107,7 @@ def test_shortest_requests(nqfile, monkeypatch, n):  # noqa: F811
     run, _ = spec_device(nqfile, monkeypatch, True)
     want = list(run.generate(PROMPT, n))
     run.cache.clear()
-    run.speculate = lambda q: Scripted(q, want, lambda t: t)
+    run.speculate = lambda q: Scripted(q, want, lambda t: t, 3)
     assert list(run.generate(PROMPT, n)) == want
     assert run.spec.drafted == run.spec.accepted == max(0, n - 2)
     (kept,) = run.cache.kept.values()

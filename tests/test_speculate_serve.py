@@ -9,14 +9,12 @@ import re
 import time
 
 import httpx
-import pytest
 from _serve_util import server as start_server
 from starlette.testclient import TestClient
 
-from nanoqwen import testmodels, tokenizer
+from nanoqwen import testmodels
 from nanoqwen.backends import ReferenceEngine
 from nanoqwen.cli.main import main
-from nanoqwen.modelcache import resolve
 from nanoqwen.runtime.drafters import PromptLookup
 from nanoqwen.serve.app import Server, create_app
 from nanoqwen.serve.metrics import Metrics
@@ -27,16 +25,8 @@ PROMPT = "def add_all(values):\n    total = 0\n    for v in values:\n        tot
 BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOQWEN_CACHE_DIR", str(tmp_path_factory.mktemp("nq-cache")))
-        path = resolve(testmodels.SMALL_PY_DIR, log=lambda m: None)
-    return path, tokenizer.load(path)
-
-
-def serve(packed, speculate):
-    path, tok = packed
+def serve(small_py, speculate):
+    path, tok = small_py
     metrics = Metrics()
     worker = Worker(lambda: (ReferenceEngine(path, context=256, speculate=speculate), tok), metrics, max_queue=4,
                     log=lambda m: None)
@@ -55,10 +45,10 @@ def counter(client, name: str) -> float:
     return float(m[1])
 
 
-def test_usage_and_metrics_count_drafts(packed):
-    plain = serve(packed, None).post("/v1/completions", json=BODY).json()
+def test_usage_and_metrics_count_drafts(small_py):
+    plain = serve(small_py, None).post("/v1/completions", json=BODY).json()
     assert "completion_tokens_details" not in plain["usage"]
-    client = serve(packed, PromptLookup(max_draft=5))
+    client = serve(small_py, PromptLookup(max_draft=5))
     totals = [0, 0]
     for body in (BODY, BODY | {"prompt": PROMPT + "    total = 0\n"}):
         r = client.post("/v1/completions", json=body).json()
@@ -76,8 +66,8 @@ def test_usage_and_metrics_count_drafts(packed):
                                                              "rejected_prediction_tokens": 0}
 
 
-def test_streamed_usage_carries_the_details(packed):
-    client = serve(packed, PromptLookup())
+def test_streamed_usage_carries_the_details(small_py):
+    client = serve(small_py, PromptLookup())
     want = client.post("/v1/completions", json=BODY).json()["usage"]
     with client.stream("POST", "/v1/completions",
                        json=BODY | {"stream": True, "stream_options": {"include_usage": True}}) as r:

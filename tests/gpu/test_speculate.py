@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from _drafting import Scripted
+
 from ._gpu_util import fresh_rng
 from .test_prefill_runtime import LOGITS_TOL, corpus, window  # noqa: F401 - corpus is a fixture
 from nanoqwen.runtime.drafters import PromptLookup
@@ -25,23 +27,6 @@ from nanoqwen.runtime.drafters import PromptLookup
 pytestmark = pytest.mark.gpu
 
 NEW, PROMPTS = 16, 100
-
-
-class Scripted:
-    """Drafts the expected continuation through ``mangle``, k = 4."""
-
-    def __init__(self, prompt, expected, mangle):
-        self.P, self.seq, self.expected, self.mangle = len(prompt), list(prompt), expected, mangle
-
-    def append(self, tokens):
-        self.seq += tokens
-
-    def draft(self, limit):
-        done = len(self.seq) - self.P
-        return [self.mangle(t) for t in self.expected[done:done + min(4, limit)]]
-
-    def record(self, drafted, accepted):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +52,8 @@ def plain(s, prompts):
 
 
 def drafters(vocab):
-    return {"oracle": lambda want: (lambda q: Scripted(q, want, lambda t: t)),
-            "wrong": lambda want: (lambda q: Scripted(q, want, lambda t: (t + 1) % vocab)),
+    return {"oracle": lambda want: (lambda q: Scripted(q, want, lambda t: t, 4)),
+            "wrong": lambda want: (lambda q: Scripted(q, want, lambda t: (t + 1) % vocab, 4)),
             "lookup": lambda want: PromptLookup(max_draft=8)}
 
 
