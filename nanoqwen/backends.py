@@ -4,11 +4,12 @@ against, slowly). ``auto`` picks cuda when a CUDA device answers and says so whe
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from . import NanoqwenError
-from .runtime.drafters import Speculation
+from .runtime.drafters import DraftModel, SpeculateError, Speculation
 from .runtime.generate import check_request
 from .runtime.prefix_cache import PrefixCache
 from .runtime.sampler import HostSampler, Sampling
@@ -99,8 +100,11 @@ class ReferenceEngine:
             finally:   # positions 0..pos-1 have their K/V, however the request ended
                 lease.tokens = (prompt + gen)[:ref.pos]
                 lease.payload = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)]
+
     def close(self) -> None:
         self.cache.clear()
+        if self.speculate is not None:
+            self.speculate.close()
 
 
 def open_engine(backend: str, path: str | Path, context: int, eager: bool = False, log=None,
@@ -108,7 +112,8 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
     """An engine for the .nanoqwen file ``path`` taking requests of up to ``context`` tokens, keeping
     recent sequences for prefix reuse in a KV pool of ``kv_tokens`` (default ``context``); ``verify`` checks
     every payload's checksum while loading (a corrupt file is an error naming the file and the tensor);
-    ``speculate`` is a drafter setting (runtime/drafters.py) for speculative greedy decoding."""
+    ``speculate`` is a drafter setting (runtime/drafters.py) for speculative greedy decoding; a draft model
+    is opened here, as an engine of the same backend and context (no drafter of its own)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if backend not in BACKENDS:
         raise NanoqwenError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -116,9 +121,31 @@ def open_engine(backend: str, path: str | Path, context: int, eager: bool = Fals
         backend = "cuda" if cuda_available() else "reference"
         if backend == "reference":
             log("no CUDA device found: running the numpy reference backend on the CPU (slow)")
-    if backend == "reference":
-        return ReferenceEngine(path, context, kv_tokens, verify, speculate)
-    if not cuda_available():
+    if backend == "cuda" and not cuda_available():
         raise NanoqwenError("--backend cuda: no CUDA device available (no driver, or no GPU visible)")
-    from .runtime.session import CudaSession
-    return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify, speculate=speculate)
+    if isinstance(speculate, DraftModel):   # first: the model's memory check then counts the draft's
+        speculate = dataclasses.replace(speculate, engine=_open_draft(backend, path, speculate.path, context, eager,
+                                                                      log, verify))
+    try:
+        if backend == "reference":
+            return ReferenceEngine(path, context, kv_tokens, verify, speculate)
+        from .runtime.session import CudaSession
+        return CudaSession(path, context, eager=eager, log=log, kv_tokens=kv_tokens, verify=verify,
+                           speculate=speculate)
+    except BaseException:
+        if speculate is not None:
+            speculate.close()
+        raise
+
+
+def _open_draft(backend: str, target: str | Path, draft: str, context: int, eager: bool, log, verify: bool):
+    """The draft model's engine; its vocabulary must be the target's (drafts are token ids)."""
+    from .modelcache import resolve
+    from .nqfile import NanoqwenFile
+    path = resolve(draft, log=log)
+    vocab, draft_vocab = NanoqwenFile(target).dims.vocab, NanoqwenFile(path).dims.vocab
+    if draft_vocab != vocab:
+        raise SpeculateError(f"--speculate draft:{draft}: its vocabulary has {draft_vocab} tokens, the model's "
+                             f"{vocab}: a draft model must share the model's tokenizer")
+    log(f"draft model {draft}: {backend} engine, context {context}")
+    return open_engine(backend, path, context, eager=eager, log=log, verify=verify)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoqwen.runtime.drafters import PromptLookup, SpeculateError, drafter_setting
+from nanoqwen.runtime.drafters import DraftModel, PromptLookup, SpeculateError, drafter_setting
 
 
 def brute_force(seq: list[int], setting: PromptLookup, k: int) -> list[int]:
@@ -73,10 +73,15 @@ def test_bad_settings_are_refused(kw):
         PromptLookup(**kw)
 
 
-def test_cli_setting():
+def test_cli_setting(tmp_path):
     assert drafter_setting(None) is None
     assert drafter_setting("lookup", 5) == PromptLookup(max_draft=5)
-    with pytest.raises(SpeculateError, match="--speculate must be one of lookup"):
-        drafter_setting("draft:x.nanoqwen")
-    with pytest.raises(SpeculateError, match="--draft-tokens"):
-        drafter_setting("lookup", 0)
+    assert drafter_setting(f"draft:{tmp_path}", 5) == DraftModel(str(tmp_path), max_draft=5)
+    for bad in ("draft:", "draft", "ngram"):
+        with pytest.raises(SpeculateError, match="--speculate must be one of lookup, draft:FILE"):
+            drafter_setting(bad)
+    with pytest.raises(SpeculateError, match="draft:/nonexistent.nanoqwen: no such file or directory"):
+        drafter_setting("draft:/nonexistent.nanoqwen")
+    for kind in ("lookup", f"draft:{tmp_path}"):
+        with pytest.raises(SpeculateError, match="--draft-tokens"):
+            drafter_setting(kind, 0)

@@ -1,10 +1,12 @@
 """Speculative greedy decoding on the numpy ReferenceEngine (backends.py), trained small-py model: the
 output is token for token plain greedy decoding's on 100 prompts with prompt lookup and with adversarial
-drafters (always wrong, oracle, random); the drafted / accepted counts are exact; the prefix cache keeps
+drafters (always wrong, oracle, random) and with a draft model (itself: every draft accepted; random
+weights; a foreign vocabulary refused); the drafted / accepted counts are exact; the prefix cache keeps
 only accepted positions; logits rows, early close and temperature > 0 (drafting off) keep the contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 import textwrap
@@ -15,7 +17,7 @@ from _drafting import Scripted
 
 from nanoqwen.backends import ReferenceEngine, open_engine
 from nanoqwen.reference import Reference
-from nanoqwen.runtime.drafters import PromptLookup, accept
+from nanoqwen.runtime.drafters import DraftModel, PromptLookup, SpeculateError, accept
 from nanoqwen.runtime.sampler import Sampling
 
 N_NEW = 12
@@ -139,3 +141,42 @@ def test_shortest_requests(small_py, cases, n):
     e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
     assert list(e.generate(prompt, n)) == expected[:n]
     assert e.drafted_tokens == e.accepted_tokens == max(0, n - 2)
+
+
+def _random_draft(small_py, tmp_path, **dims) -> str:
+    """A one-layer model of random weights: small-py's vocabulary unless ``dims`` changes it."""
+    from nanoqwen.nqfile import NanoqwenFile
+    from nanoqwen.pack import pack_random
+    d = dataclasses.replace(NanoqwenFile(small_py[0]).dims, layers=1, **dims)
+    return str(pack_random(d, tmp_path / "draft.nanoqwen", workers=1))
+
+
+def test_draft_model_of_itself_is_accepted_whole(small_py, cases):
+    """The model drafting for itself: its own greedy continuation, so every draft is accepted (the draft
+    engine's prefix cache gives the same numbers as a cold run), and the output is plain greedy's."""
+    e = open_engine("reference", small_py[0], 256, speculate=DraftModel(str(small_py[0]), max_draft=4))
+    try:
+        for prompt, expected in cases[:15]:
+            assert list(e.generate(prompt, N_NEW)) == expected
+            assert e.accepted_tokens == e.drafted_tokens > 0
+    finally:
+        e.close()
+
+
+def test_draft_model_of_other_weights_keeps_greedy_output(small_py, cases, tmp_path):
+    e = open_engine("reference", small_py[0], 256,
+                    speculate=DraftModel(_random_draft(small_py, tmp_path), max_draft=4))
+    drafted = accepted = 0
+    try:
+        for prompt, expected in cases[:15]:
+            assert list(e.generate(prompt, N_NEW)) == expected
+            drafted, accepted = drafted + e.drafted_tokens, accepted + e.accepted_tokens
+    finally:
+        e.close()
+    assert 0 <= accepted < drafted   # random weights: most drafts rejected, the text unchanged
+
+
+def test_draft_model_must_share_the_vocabulary(small_py, tmp_path):
+    draft = _random_draft(small_py, tmp_path, vocab=512)
+    with pytest.raises(SpeculateError, match=r"draft:.*draft.nanoqwen: its vocabulary has 512 tokens, the model's \d+"):
+        open_engine("reference", small_py[0], 256, speculate=DraftModel(draft))

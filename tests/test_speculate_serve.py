@@ -9,6 +9,7 @@ import re
 import time
 
 import httpx
+import pytest
 from _serve_util import server as start_server
 from starlette.testclient import TestClient
 
@@ -78,14 +79,18 @@ def test_streamed_usage_carries_the_details(small_py):
     assert usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0
 
 
-def test_serve_command_speculates(tmp_path):
-    """`nanoqwen serve --speculate lookup --draft-tokens 4`, a real process: the option reaches the engine."""
-    s = start_server(testmodels.SMALL_PY_DIR, "--speculate", "lookup", "--draft-tokens", "4", "--model-name", "m",
+@pytest.mark.parametrize("kind", ["lookup", f"draft:{testmodels.SMALL_PY_DIR}"])
+def test_serve_command_speculates(tmp_path, kind):
+    """`nanoqwen serve --speculate KIND --draft-tokens 4`, a real process: the option reaches the engine
+    (the model as its own draft model: every draft accepted)."""
+    s = start_server(testmodels.SMALL_PY_DIR, "--speculate", kind, "--draft-tokens", "4", "--model-name", "m",
                      cache_dir=tmp_path)
     try:
         r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=120).json()
         details = r["usage"]["completion_tokens_details"]
         assert details["accepted_prediction_tokens"] > 0
+        if kind != "lookup":
+            assert details["rejected_prediction_tokens"] == 0
         assert s.metric("nanoqwen_spec_decode_num_accepted_tokens_total") == details["accepted_prediction_tokens"]
         assert s.metric("nanoqwen_spec_decode_num_draft_tokens_total") == \
             details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]

@@ -38,9 +38,11 @@ def add_arguments(p) -> None:
 
 def add_speculate_arguments(p) -> None:
     """The speculative decoding options, shared with `nanoqwen serve`."""
-    p.add_argument("--speculate", choices=SPECULATE_KINDS, default=None,
-                   help="speculative greedy decoding with draft tokens from prompt lookup (n-grams of the "
-                        "prompt and output); identical output; greedy only (sampling decodes plainly)")
+    p.add_argument("--speculate", default=None, metavar="|".join(SPECULATE_KINDS),
+                   help="speculative greedy decoding, draft tokens from prompt lookup (n-grams of the prompt "
+                        "and output) or from a draft model of the same vocabulary (a .nanoqwen file or HF "
+                        "directory, run on the same backend); identical output; greedy only (sampling "
+                        "decodes plainly)")
     p.add_argument("--draft-tokens", type=int, default=PromptLookup.max_draft, metavar="K",
                    help=f"the most draft tokens one verify step checks (default {PromptLookup.max_draft})")
 

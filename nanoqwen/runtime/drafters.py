@@ -1,8 +1,8 @@
-"""Draft tokens for speculative decoding (pure Python, host side; DESIGN.md section 11).
+"""Draft tokens for speculative decoding (host side; DESIGN.md section 11).
 
 A drafter follows one request's sequence (``append`` the tokens the engine accepted), proposes up to
 ``k`` next tokens (``draft``) and hears how many of them the model accepted (``record``). A drafter kind
-(``PromptLookup``) is a frozen, hashable setting; calling it with a prompt starts a drafter for that
+(``PromptLookup``, ``DraftModel``) is a frozen setting; calling it with a prompt starts a drafter for that
 request, so an engine holds the setting and a request holds its drafter.
 
 Prompt lookup: the longest recent n-gram of the sequence (n from ``max_ngram`` down to ``min_ngram``)
@@ -10,20 +10,42 @@ found earlier in prompt + output proposes the tokens that followed its most rece
 An index n -> {n-gram: end of its most recent occurrence} is updated in O(max_ngram) per token, so a
 lookup costs max_ngram dictionary probes: nothing that grows with the sequence sits in the decode loop.
 
-k adapts to acceptance (the rule of Hugging Face's assisted generation): a draft accepted whole raises k
-by 2, any rejection lowers it by 1, within [1, max_draft]."""
+Draft model: a smaller model of the same vocabulary (Qwen2.5-Coder-0.5B for the 7B), opened by
+``backends.open_engine`` with the target's backend and context as an engine of its own (its own KV cache,
+prefix cache and, on CUDA, graphs), drafts its greedy continuation of the sequence. Its prefix cache keeps
+the sequence it last drafted from, so each round prefills only the tokens accepted since.
+
+For both, k adapts to acceptance (the rule of Hugging Face's assisted generation): a draft accepted whole
+raises k by 2, any rejection lowers it by 1, within [1, max_draft]."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from .. import NanoqwenError
 
-SPECULATE_KINDS = ("lookup",)
+SPECULATE_KINDS = ("lookup", "draft:FILE")
 
 
 class SpeculateError(NanoqwenError):
     pass
+
+
+def check_max_draft(max_draft: int) -> None:
+    if not 1 <= max_draft <= 64:
+        raise SpeculateError(f"--draft-tokens must be in [1, 64], got {max_draft}")
+
+
+class AdaptiveK:
+    """A drafter's k: the most tokens its next draft may have, adapted to what the model accepted."""
+
+    def __init__(self, max_draft: int):
+        self.max_draft = self.k = max_draft
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.k = min(self.max_draft, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
 @dataclass(frozen=True)
@@ -33,8 +55,7 @@ class PromptLookup:
     min_ngram: int = 1
 
     def __post_init__(self):
-        if not 1 <= self.max_draft <= 64:
-            raise SpeculateError(f"--draft-tokens must be in [1, 64], got {self.max_draft}")
+        check_max_draft(self.max_draft)
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise SpeculateError(f"prompt lookup n-grams need 1 <= min_ngram <= max_ngram, got "
                                  f"{self.min_ngram}..{self.max_ngram}")
@@ -42,11 +63,13 @@ class PromptLookup:
     def __call__(self, prompt: list[int]) -> "LookupDrafter":
         return LookupDrafter(self, prompt)
 
+    def close(self) -> None:
+        """Nothing to release (a draft model's engine has to be)."""
 
-class LookupDrafter:
+
+class LookupDrafter(AdaptiveK):
     def __init__(self, setting: PromptLookup, prompt: list[int]):
-        self.setting = setting
-        self.k = setting.max_draft
+        super().__init__(setting.max_draft)
         self.tokens: list[int] = []
         # index[n][gram] = e: tokens[e - n:e] == gram, the latest such e before the sequence's end
         self.index: dict[int, dict[tuple, int]] = {n: {} for n in range(setting.min_ngram, setting.max_ngram + 1)}
@@ -70,9 +93,39 @@ class LookupDrafter:
                 return seq[end:end + k]
         return []
 
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.k = min(self.setting.max_draft, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+@dataclass(frozen=True)
+class DraftModel:
+    path: str              # the draft model: a .nanoqwen file or a Hugging Face directory
+    max_draft: int = 8
+    engine: object = field(default=None, compare=False)   # its engine, once open_engine has opened it
+
+    def __post_init__(self):
+        check_max_draft(self.max_draft)
+        if not Path(self.path).exists():
+            raise SpeculateError(f"--speculate draft:{self.path}: no such file or directory")
+
+    def __call__(self, prompt: list[int]) -> "ModelDrafter":
+        return ModelDrafter(self, prompt)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class ModelDrafter(AdaptiveK):
+    """The draft engine's greedy continuation of the sequence, k tokens at a time."""
+
+    def __init__(self, setting: DraftModel, prompt: list[int]):
+        super().__init__(setting.max_draft)
+        self.engine, self.tokens = setting.engine, [int(t) for t in prompt]
+
+    def append(self, tokens) -> None:
+        self.tokens += [int(t) for t in tokens]
+
+    def draft(self, limit: int) -> list[int]:
+        k = min(self.k, limit, self.engine.context - len(self.tokens))   # a draft model of fewer positions stops
+        return list(self.engine.generate(self.tokens, k)) if k >= 1 else []
 
 
 def accept(drafts: list[int], choices: list[int]) -> list[int]:
@@ -106,10 +159,13 @@ class Speculation:
         return block
 
 
-def drafter_setting(kind: str | None, draft_tokens: int = PromptLookup.max_draft) -> PromptLookup | None:
-    """The CLI's ``--speculate KIND [--draft-tokens K]`` as an engine setting (None: plain decoding)."""
+def drafter_setting(kind: str | None, draft_tokens: int = PromptLookup.max_draft):
+    """The CLI's ``--speculate lookup|draft:FILE [--draft-tokens K]`` as an engine setting (None: plain
+    decoding)."""
     if kind is None:
         return None
-    if kind not in SPECULATE_KINDS:
-        raise SpeculateError(f"--speculate must be one of {', '.join(SPECULATE_KINDS)}, got {kind!r}")
-    return PromptLookup(max_draft=draft_tokens)
+    if kind == "lookup":
+        return PromptLookup(max_draft=draft_tokens)
+    if kind.startswith("draft:") and kind[len("draft:"):]:
+        return DraftModel(kind[len("draft:"):], max_draft=draft_tokens)
+    raise SpeculateError(f"--speculate must be one of {', '.join(SPECULATE_KINDS)}, got {kind!r}")

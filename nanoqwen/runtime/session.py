@@ -116,7 +116,9 @@ class CudaSession:
         return self.runner.generate(prompt, max_new_tokens, sampling, logits)
 
     def close(self) -> None:
-        """Give the GPU memory back (tests open several sessions in one process)."""
+        """Give the GPU memory back (tests open several sessions in one process), a draft model's too."""
+        if self.runner.speculate is not None:
+            self.runner.speculate.close()
         self.decoder.close()
         if self.prefiller is not None:
             self.prefiller.close()
