@@ -417,30 +417,32 @@ class Function:
         memory, params = self.params.pack(args)
         if smem > self._smem_limit:
             self.set_max_dynamic_smem(smem)
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = smem
-        config.hStream = _stream_handle(stream)
-        if pdl:
-            config.attrs, config.numAttrs = _pdl_attrs(), 1
-        else:
-            config.numAttrs = 0
+        config = _launch_config(grid, block, smem, int(_stream_handle(stream)), pdl)
         # no `extra`; `memory` stays alive until the call returns, as a local
         result = cu.cuLaunchKernelEx(config, self.handle, params, 0)
         if result[0] != cu.CUresult.CUDA_SUCCESS:   # the message is built only for a failure
             check(result, f"cuLaunchKernelEx({self.uri}, grid={grid}, block={block}, smem={smem}, pdl={pdl})")
 
 
-@functools.cache
-def _pdl_attrs() -> list:
-    """Programmatic Dependent Launch: a kernel may start while the previous one in the stream finishes;
-    it must griddepcontrol.wait before reading what that kernel wrote. One attribute, shared by every
-    launch (the driver reads it during the call)."""
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    return [attr]
+@functools.lru_cache(maxsize=4096)   # a handful of shapes per stream, each launched many times
+def _launch_config(grid, block, smem: int, stream: int, pdl: bool):
+    """cuLaunchKernelEx's configuration, built once per (grid, block, smem, stream handle, pdl): the driver
+    only reads it during a call. With ``pdl``, Programmatic Dependent Launch: the kernel may start while
+    the previous one in the stream finishes; it must griddepcontrol.wait before reading what that kernel
+    wrote."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = cu.CUstream(stream)
+    if pdl:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attr], 1
+    else:
+        config.numAttrs = 0
+    return config
 
 
 class Module:
