@@ -78,8 +78,10 @@ class CudaSession:
         self.kv = PagedKVCache(layout)
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
                                    slots=ahead + 2)
-        self.prefiller = Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens) if chunked else None
+        # the decode step's buffers next to the shared state, as in the decoder before the redesign (a
+        # guess at the graph step's +0.4% in docs/perf-notes.md, for the next same-run A/B to test)
         self.decoder = Decoder(self.state, kernels)
+        self.prefiller = Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens) if chunked else None
         self.runner = Runner(self.state, self.decoder, self.prefiller,
                              PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)
         list(self.runner.generate([0], 2))   # eager: loads every module, touches every buffer
