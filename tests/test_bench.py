@@ -20,10 +20,15 @@ from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
 from nanoqwen.backends import cuda_available
 
-spec = importlib.util.spec_from_file_location("results_table",
-                                              Path(__file__).resolve().parents[1] / "tools" / "results_table.py")
-results_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(results_table)
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+results_table, ab_bench = _tool("results_table"), _tool("ab_bench")
+BENCH_RESULT = Path(__file__).resolve().parents[1] / "results" / "bench-h200-random7b-2026-12-03.json"
 
 D = QWEN25_7B
 
@@ -429,3 +434,27 @@ def test_cli_kernels_mode_calls_the_gemv_bench(monkeypatch, capsys, tmp_path):
     assert seen == {"roles": ("qkv", "down")} and json.loads((tmp_path / "k.json").read_text()) == {"gemv": []}
     assert main(["bench", "--kernels", "--roles", "qkv,nope"]) == 1
     assert "unknown role(s) nope" in capsys.readouterr().err
+
+
+def test_ab_bench_alternates_and_compares(tmp_path, monkeypatch):
+    """tools/ab_bench.py on a committed bench record (the new side 1% slower per token): old and new
+    alternate, each side's figures come out of the real JSON layout, the summary is the medians' ratio."""
+    order = []
+
+    def fake_run(cmd, cwd, env, check):
+        order.append(Path(cwd).name)
+        d = json.loads(BENCH_RESULT.read_text())
+        if Path(cwd).name != "old":
+            d["latency"]["ms_per_token"]["p50"] *= 1.01
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(d))
+    monkeypatch.setattr(ab_bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(ab_bench, "ROOT", tmp_path / "new")
+    (tmp_path / "old" / "nanoqwen").mkdir(parents=True)
+    out = tmp_path / "ab.json"
+    assert ab_bench.main([str(tmp_path / "old"), "--old-commit", "13da7d5", "--rounds", "2", "--out", str(out)]) == 0
+    assert order == ["old", "new", "old", "new"]
+    doc = json.loads(out.read_text())
+    assert doc["gpu"] == "NVIDIA H200" and doc["old"]["commit"] == "13da7d5" and len(doc["new"]["runs"]) == 2
+    assert doc["summary"]["ms_per_token_p50"]["new_vs_old_pct"] == pytest.approx(1.0)
+    assert doc["summary"]["graph_step_ms"]["new_vs_old_pct"] == pytest.approx(0.0)
+    assert doc["old"]["runs"][0]["eager_regions_ms"]["down"] > 0

@@ -14,6 +14,9 @@
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
 #                      the GPU machine lacks: install the wheels of .whl/ first (see the device README)
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
+#   GPU_CHECK_AB       a source tree of another commit (e.g. .old, named in the device call's carry): a
+#                      same-run decode A/B against it, tools/ab_bench.py (ab-decode.json); its commit id in
+#                      GPU_CHECK_AB_COMMIT
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,5 +68,7 @@ fi
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
+[ -n "${GPU_CHECK_AB:-}" ] && stage ab 560 $PY tools/ab_bench.py "$GPU_CHECK_AB" \
+    --old-commit "${GPU_CHECK_AB_COMMIT:-old}" --out "$OUT/ab-decode.json"
 grep -a -E "^== " "$LOG"
 exit $status
