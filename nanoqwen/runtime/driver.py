@@ -17,6 +17,7 @@ API (stable; other runtime modules build on it):
   memcpy_dtod(dst, src, nbytes, stream=None)
   Module(cubin bytes)               .function(entry, signature=(), uri="") -> Function
   Function.launch(launch, stream=None, pdl=False, **args)   checked and packed by the spec's `signature`
+                                    (Function.params: its ArgPacker)
   pack_args(signature, args, where)  that check and packing alone (no device needed)
   Event()                           .record(stream=None), .synchronize(), Event.elapsed_ms(a, b)
   capture(stream) -> Graph          `with capture(s) as g: ...` then g.launch(stream), g.close()
@@ -296,9 +297,9 @@ class HostBuffer:
 
 # ---- modules, functions, typed launches --------------------------------------------------------
 
-# _KINDS: a kernel parameter's kind (codegen Param.kind, from the spec's one declaration) -> the numpy
-# type of its value; _RANGES: the Python ints each integer kind accepts.
-_KINDS = {"ptr": np.uint64, "u64": np.uint64, "i32": np.int32, "u32": np.uint32, "f32": np.float32}
+# _SLOT: a kernel parameter's kind (codegen Param.kind, from the spec's one declaration) -> its 8-byte
+# kernelParams slot as a struct format (the value in the low bytes); _RANGES: the ints each integer kind takes.
+_SLOT = {"ptr": "Q", "u64": "Q", "i32": "i4x", "u32": "I4x", "f32": "f4x"}
 _RANGES = {"i32": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
 
 
@@ -330,12 +331,9 @@ def check_signature(signature, where: str) -> tuple[tuple[str, str], ...]:
     """``signature`` as a tuple of (name, kind) pairs; an unknown kind is a CudaError naming the parameter."""
     signature = tuple(tuple(p) for p in signature)
     for name, kind in signature:
-        if kind not in _KINDS:
+        if kind not in _SLOT:
             raise CudaError(f"{where}: parameter '{name}' has unknown kind '{kind}'")
     return signature
-
-
-_SLOT = {"ptr": "Q", "u64": "Q", "i32": "i4x", "u32": "I4x", "f32": "f4x"}   # one 8-byte slot per parameter
 
 
 class ArgPacker:
@@ -399,7 +397,6 @@ class Function:
         self.entry = entry
         self.uri = uri or entry
         self.params = ArgPacker(signature, self.uri)
-        self.signature = self.params.signature
         self._module = module      # keeps the module alive as long as the function
         self._smem_limit = 48 * 1024
 

@@ -54,7 +54,8 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
 
 def gemm_role(role: str, rows: int, small_m_tokens: int) -> str:
     """The GEMM role (``qkv``, ``o_proj``, ``gate_up``, ``down``; or ``attention``) a chunk of ``rows``
-    tokens launches: its small-M (split-KV) variant up to small_m_tokens rows."""
+    tokens launches: its small-M variant up to small_m_tokens rows (for the attention, the split-KV one,
+    which Prefiller._attention runs where the keys make 2 splits or more)."""
     return SMALL + role if rows <= small_m_tokens else role
 
 
