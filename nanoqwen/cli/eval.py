@@ -10,7 +10,6 @@ per-problem progress to stderr, everything (configuration, per-problem results, 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from .. import NanoqwenError, __version__
 from ..backends import BACKENDS
+from ..bench.protocol import write_json
 
 REFUSAL = ("refusing to run: HumanEval scores a model by executing the code it generates; pass --allow-exec "
            "to run each completion in the sandbox (own process, CPU/memory/process limits, no network and a "
@@ -69,12 +69,6 @@ def _check(args) -> None:
         raise NanoqwenError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
 
 
-def _write_json(path: str, report: dict) -> None:
-    tmp = Path(f"{path}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
-
-
 def humaneval(args) -> int:
     from ..eval import humaneval as he
     from ..eval import sandbox
@@ -100,7 +94,7 @@ def humaneval(args) -> int:
         source.close()
     report["wall_s"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
     if args.out:
-        _write_json(args.out, report)
+        write_json(report, Path(args.out))
     print(he.table(report))
     for applied in report["config"]["sandbox"]["applied"]:
         print("sandbox: " + "; ".join(f"{k} {v}" for k, v in applied.items()))

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import NanoqwenError
-from ..codegen.kernels import gemv
 from ..nqfile import NanoqwenFile
 from ..units import size
 from . import driver
@@ -102,24 +101,11 @@ def plan(f: NanoqwenFile) -> Plan:
     return p
 
 
-def check_layout(f: NanoqwenFile, kernel_layout_id: int) -> None:
-    """The INT4 nibble order the GEMV kernels were generated for must be the file's: a mismatch would
-    upload gigabytes and then compute garbage, so it is refused before any byte moves."""
-    if f.header["layout_id"] != kernel_layout_id:
-        raise WeightsError(f"{f.path}: layout id {f.header['layout_id']} does not match the GEMV kernels' "
-                           f"layout id {kernel_layout_id}; repack the model with this nanoqwen")
-
-
 class Weights:
     """The model on the device: ``ptr(region)`` is the device address of a region of ``plan(f)``."""
 
     def __init__(self, f: NanoqwenFile, progress=None, verify: bool = True):
-        # The nibble order the GEMV kernels decode must be the file's: a mismatch would upload gigabytes
-        # and then compute garbage, so it is refused before any byte moves.
-        try:
-            gemv.check_layout(f.header["layout_id"])
-        except gemv.LayoutError as e:
-            raise WeightsError(f"{f.path}: {e}; repack the model with this nanoqwen") from None
+        # NanoqwenFile has refused any nibble order but the one the GEMV kernels decode (quant.LAYOUT_ID)
         self.file, self.plan = f, plan(f)
         props = driver.device().props
         free, total = props.free_mem, props.total_mem

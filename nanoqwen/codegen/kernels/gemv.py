@@ -24,18 +24,6 @@ EPILOGUES = ("plain", "bias", "residual", "swiglu")
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
 
 
-class LayoutError(SpecError):
-    pass
-
-
-def check_layout(file_layout_id: int) -> None:
-    """Refuse weights packed in another layout than the one this GEMV family decodes."""
-    if file_layout_id != quant.LAYOUT_ID:
-        raise LayoutError(f"INT4 layout id {file_layout_id} is not supported by the GEMV kernels "
-                          f"(they decode layout {quant.LAYOUT_ID} = {quant.LAYOUT_NAME}, "
-                          f"lane bit offsets {list(VALUE_SHUFFLE)})")
-
-
 @dataclass(frozen=True)
 class GemvInt4Spec(KernelSpec):
     family = "gemv_int4"
