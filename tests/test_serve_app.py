@@ -26,11 +26,12 @@ BODY = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
 class GpuLikeEngine:
     """Not the reference engine, so its faults are fatal; fails at token ``fail_at``."""
     name, context, dims = "stand-in GPU engine", 64, tiny_dims()
+    cached_tokens, speculate = 0, None   # the engine contract's fields: nothing reused, no drafting
 
     def __init__(self, fail_at=None):
         self.fail_at = fail_at
 
-    def generate(self, prompt, max_new_tokens, sampling):
+    def generate(self, prompt, max_new_tokens, sampling, logits=False):
         check_request(self.dims, prompt, max_new_tokens, self.context)
         for i in range(max_new_tokens):
             if i == self.fail_at:

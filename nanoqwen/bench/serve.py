@@ -107,7 +107,8 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
     else:
         gpu = None
     path = protocol.resolve_model(model, cfg, log)
-    dims = NanoqwenFile(path, cfg).dims
+    nq = NanoqwenFile(path, cfg)
+    dims = nq.dims
     context = PROMPT_LONG + gen
     rng = np.random.default_rng(protocol.SYNTHETIC_SEED)
 
@@ -133,7 +134,7 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
     return {"kind": "nanoqwen-bench-serve", "schema": 1,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "backend": backend, "gpu": gpu,
-            "model": protocol.model_info(NanoqwenFile(path, cfg)),
+            "model": protocol.model_info(nq),
             "protocol": {"repetitions": reps, "gen_tokens": gen, "context": context,
                          "prompt": f"uniform random token ids, seed {protocol.SYNTHETIC_SEED}",
                          "ttft": "server histogram (request received -> first token), sum delta per request"},

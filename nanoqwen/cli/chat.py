@@ -35,14 +35,12 @@ def _log(msg: str) -> None:
 def _reply(engine, tok, stop, prompt: list[int], max_new: int, sampling) -> str:
     """Stream one reply to stdout and return its text; Ctrl-C ends it early."""
     from ..serve.text import TextStream
-    from ..serve.worker import cached_tokens
 
-    text, pieces, n, reused, gen, interrupted = TextStream(tok, []), [], 0, 0, None, False
+    text, pieces, n, gen, interrupted = TextStream(tok, []), [], 0, None, False
     try:
         gen = engine.generate(prompt, max_new, sampling)
         for t in gen:
             n += 1
-            reused = cached_tokens(engine)
             if t in stop:
                 break
             pieces.append(text.push(t))
@@ -56,6 +54,7 @@ def _reply(engine, tok, stop, prompt: list[int], max_new: int, sampling) -> str:
     pieces.append(text.flush())
     sys.stdout.write(pieces[-1] + "\n")
     sys.stdout.flush()
+    reused = engine.cached_tokens if n else 0   # set when the request started, i.e. at its first token
     _log(f"[{n} tokens; {reused} of {len(prompt)} prompt tokens reused{'; stopped' if interrupted else ''}]")
     return "".join(pieces)
 

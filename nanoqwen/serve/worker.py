@@ -69,14 +69,9 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-def cached_tokens(engine) -> int:
-    # the engine contract's field; engines from before prefix reuse lack it (nothing reused)
-    return getattr(engine, "cached_tokens", 0)
-
-
 def draft_counts(engine) -> tuple[int | None, int]:
     """(drafted, accepted) of the engine's most recent request; (None, 0) when it does not speculate."""
-    if getattr(engine, "speculate", None) is None:
+    if engine.speculate is None:
         return None, 0
     return engine.drafted_tokens, engine.accepted_tokens
 
@@ -183,13 +178,12 @@ class Worker:
         m.running.set(1)
         t0 = time.perf_counter()
         try:
-            gen = engine.generate(job.prompt, job.max_tokens, job.sampling, logits=True) if want_logits else \
-                engine.generate(job.prompt, job.max_tokens, job.sampling)
+            gen = engine.generate(job.prompt, job.max_tokens, job.sampling, logits=want_logits)
             for item in gen:
                 tok, logits = item if want_logits else (item, None)
                 now = time.perf_counter()
                 if t_first is None:
-                    t_first, cached = now, cached_tokens(engine)
+                    t_first, cached = now, engine.cached_tokens
                     m.ttft.observe(now - job.received)
                 else:
                     m.itl.observe(now - t_prev)
