@@ -37,7 +37,9 @@ class ReferenceEngine:
 
     ``speculate`` (a drafter setting, runtime/drafters.py; None = plain decoding) turns on speculative
     decoding for greedy requests: a verify step runs the last token and k drafts at positions p..p+k in one
-    ``extend``, accepts the drafts equal to the argmax before them plus the model's own next token, and
+    ``extend`` (row invariant: each row is computed as a single decode step would compute it, so the
+    output is plain greedy's bit for bit), accepts the drafts equal to the argmax before them plus the
+    model's own next token, and
     moves the position back past the rejected ones (their K/V rows are overwritten later). Sampled
     requests (temperature > 0) decode plainly: drafting switches off rather than rejection-sample.
     ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``."""

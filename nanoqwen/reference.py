@@ -280,6 +280,14 @@ def decoder_layer(w: Fp32Weights, i: int, h: np.ndarray, positions: np.ndarray, 
     return h_out
 
 
+def _stack(rows: list[dict]) -> dict:
+    """Per-row traces -> one trace whose every entry is [T, ...] (the rows in order)."""
+    out = {k: np.concatenate([r[k] for r in rows]) for k in ("embed", "xf", "logits")}
+    out["layers"] = [{k: np.concatenate([r["layers"][i][k] for r in rows]) for k in layer}
+                     for i, layer in enumerate(rows[0]["layers"])]
+    return out
+
+
 class Reference:
     """The whole model with a KV cache. `prefill(tokens)` starts a sequence, `extend(tokens)` continues it
     (chunked prefill), `decode(token)` is one step; each returns fp32 logits. With `trace={}` passed, the
@@ -318,8 +326,13 @@ class Reference:
         self.pos = n
 
     def extend(self, tokens, trace: dict | None = None) -> np.ndarray:
+        """Logits [T, vocab] after appending ``tokens`` at positions pos..pos+T-1. Row invariant by
+        construction: each row is one ``decode`` step (the same numpy calls on the same shapes), so a
+        position's K/V and logits are bitwise the same whether it came in a prompt, a verify block or a
+        single step, whatever else was computed beside it (DESIGN.md section 12). A multi-row matmul would
+        round each row by the BLAS kernel chosen for that M, and a near tie could then fall either way."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        d, w = self.dims, self.w
+        d = self.dims
         if not len(tokens):
             raise ReferenceModelError("reference: no tokens given")
         if self.pos + len(tokens) > self.max_seq:
@@ -327,8 +340,17 @@ class Reference:
                                  f"{self.max_seq}")
         if tokens.min() < 0 or tokens.max() >= d.vocab:
             raise ReferenceModelError(f"reference: token id out of range [0, {d.vocab})")
-        positions = np.arange(self.pos, self.pos + len(tokens))
-        h = w["model.embed_tokens.weight"][tokens].astype(np.float32)
+        rows = [{} if trace is not None else None for _ in tokens]
+        logits = np.concatenate([self._row(int(t), rt) for t, rt in zip(tokens, rows)])
+        if trace is not None:
+            trace.update(_stack(rows))
+        return logits
+
+    def _row(self, token: int, trace: dict | None) -> np.ndarray:
+        """One position: logits [1, vocab] for ``token`` at ``self.pos``, its K/V appended."""
+        d, w = self.dims, self.w
+        positions = np.array([self.pos])
+        h = w["model.embed_tokens.weight"][[token]].astype(np.float32)
         layers = [] if trace is not None else None
         if trace is not None:
             trace.update(embed=h, layers=layers)
@@ -338,7 +360,7 @@ class Reference:
                               self.fp16, lt)
             if layers is not None:
                 layers.append(lt)
-        self.pos += len(tokens)
+        self.pos += 1
         xf = rmsnorm(h, w["model.norm.weight"], d.rms_eps)
         xf = f16(xf) if self.fp16 else xf
         head = w["model.embed_tokens.weight" if d.tie_embeddings else "lm_head.weight"]

@@ -7,13 +7,12 @@ only accepted positions; logits rows, early close and temperature > 0 (drafting 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import random
-import textwrap
 
 import numpy as np
 import pytest
 from _drafting import Scripted
+from _texts import code_text
 
 from nanoqwen.backends import ReferenceEngine, open_engine
 from nanoqwen.reference import Reference
@@ -25,10 +24,10 @@ N_NEW = 12
 
 @pytest.fixture(scope="module")
 def cases(small_py):
-    """100 prompts (windows of a standard-library module's source: code that repeats itself, as edits
-    do) with their plain greedy continuations from the bare simulation."""
+    """100 prompts (windows of a committed copy of a standard-library module's source: code that repeats
+    itself, as edits do) with their plain greedy continuations from the bare simulation."""
     path, tok = small_py
-    src = tok.encode(inspect.getsource(textwrap))
+    src = tok.encode(code_text())
     ref = Reference.from_file(path, max_seq=256)
     prompts = [src[i * 53:i * 53 + 24 + i % 17] for i in range(100)]
     return [(p, ref.generate_greedy(p, N_NEW)) for p in prompts]
