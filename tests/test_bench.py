@@ -458,3 +458,28 @@ def test_ab_bench_alternates_and_compares(tmp_path, monkeypatch):
     assert doc["summary"]["ms_per_token_p50"]["new_vs_old_pct"] == pytest.approx(1.0)
     assert doc["summary"]["graph_step_ms"]["new_vs_old_pct"] == pytest.approx(0.0)
     assert doc["old"]["runs"][0]["eager_regions_ms"]["down"] > 0
+
+
+def test_ab_bench_gate_and_extra_trees(tmp_path, monkeypatch):
+    """--gate fails the run when new is slower than old by more than the given percent on any summary figure
+    (here TTFT, +2%), passes within it; --also trees run in every round and are reported, not gated."""
+    order = []
+
+    def fake_run(cmd, cwd, env, check):
+        order.append(Path(cwd).name)
+        d = json.loads(BENCH_RESULT.read_text())
+        d["latency"]["ttft_ms"]["median"] *= {"old": 1.0, "mid": 1.5, "new": 1.02}[Path(cwd).name]
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(d))
+    monkeypatch.setattr(ab_bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(ab_bench, "ROOT", tmp_path / "new")
+    for tree in ("old", "mid"):
+        (tmp_path / tree / "nanoqwen").mkdir(parents=True)
+    args = [str(tmp_path / "old"), "--also", f"abc123={tmp_path / 'mid'}", "--rounds", "1", "--out", str(tmp_path / "ab.json")]
+    assert ab_bench.main(args + ["--gate", "1.0"]) == 1
+    assert order == ["old", "mid", "new"]
+    doc = json.loads((tmp_path / "ab.json").read_text())
+    assert doc["gate_failed"] == ["ttft_ms_median"] and doc["abc123"]["commit"] == "abc123"
+    assert doc["summary"]["ttft_ms_median"]["abc123"] == pytest.approx(1.5 * doc["summary"]["ttft_ms_median"]["old"])
+    assert ab_bench.main(args + ["--gate", "2.5"]) == 0
+    with pytest.raises(SystemExit, match="ID=TREE"):
+        ab_bench.main(args[:1] + ["--also", "nope", "--out", str(tmp_path / "x.json")])

@@ -1,12 +1,15 @@
 """Same-run A/B of two source trees on the synthetic 7B: `nanoqwen bench 7b --no-baseline`, alternating.
 
-    PYTHONPATH=. python3 tools/ab_bench.py OLD_TREE [--old-commit ID] [--rounds 2] --out ab.json
+    PYTHONPATH=. python3 tools/ab_bench.py OLD_TREE [--old-commit ID] [--rounds 2] [--gate 1.0]
+                                           [--also ID=TREE ...] --out ab.json
 
-OLD_TREE is a checkout of the other commit (on the device machine: a git-ignored folder such as .old,
-named in the device call's `carry`); the new side is this tree. Rounds run old, new, old, new, ... in one
-process each, so drift in clocks or temperature hits both sides alike. JSON: GPU, date, both commits, per
-run the decode and TTFT figures, the graph and eager step, the eager regions, MBU and copy bandwidth, and
-the medians of each side with new vs old in percent.
+OLD_TREE is a checkout of the other commit (on the device machine: a git-ignored folder such as .ab/old,
+named in the device call's `carry`; `tools/ab_tree.sh COMMIT` writes one); the new side is this tree.
+Rounds run old, new, old, new, ... in one process each, so drift in clocks or temperature hits both sides
+alike. `--also` adds more trees to every round (a bisection in one call), reported beside old and new.
+JSON: GPU, date, the commits, per run the decode and TTFT figures, the graph and eager step, the eager
+regions, MBU and copy bandwidth, and the medians of each side with new vs old in percent. `--gate PCT`
+exits 1 when new is more than PCT percent slower than old on any of ms/token, TTFT or the graph step.
 """
 
 from __future__ import annotations
@@ -42,13 +45,22 @@ def main(argv=None) -> int:
     ap.add_argument("old", type=Path, help="the other source tree")
     ap.add_argument("--old-commit", default="old", help="its commit id, recorded in the JSON")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gate", type=float, metavar="PCT", help="fail when new is more than PCT%% slower than old")
+    ap.add_argument("--also", action="append", default=[], metavar="ID=TREE", help="another tree in every round")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not (args.old / "nanoqwen").is_dir():
-        sys.exit(f"error: {args.old}: not a nanoqwen source tree (no nanoqwen/ inside)")
     new_commit = os.environ.get("NANOQWEN_COMMIT", "new")
-    sides = {"old": (args.old.resolve(), args.old_commit), "new": (ROOT, new_commit)}
-    runs = {"old": [], "new": []}
+    sides = {"old": (args.old, args.old_commit)}
+    for item in args.also:
+        commit, sep, tree = item.partition("=")
+        if not sep or commit in ("old", "new"):
+            sys.exit(f"error: --also {item!r}: expected ID=TREE with an ID other than old and new")
+        sides[commit] = (Path(tree), commit)
+    for side, (tree, _) in sides.items():
+        if not (tree / "nanoqwen").is_dir():
+            sys.exit(f"error: {tree}: not a nanoqwen source tree (no nanoqwen/ inside)")
+    sides = {side: (tree.resolve(), commit) for side, (tree, commit) in sides.items()} | {"new": (ROOT, new_commit)}
+    runs = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for side, (tree, commit) in sides.items():
@@ -57,14 +69,18 @@ def main(argv=None) -> int:
     med = {k: {s: statistics.median(run[k] for run in runs[s]) for s in runs} for k in SUMMARY}
     for k, m in med.items():
         m["new_vs_old_pct"] = 100 * (m["new"] / m["old"] - 1)
-        print(f"{k}: old {m['old']:.4f}, new {m['new']:.4f} ({m['new_vs_old_pct']:+.2f}%)")
+        print(f"{k}: " + ", ".join(f"{s} {m[s]:.4f}" for s in runs) + f" (new vs old {m['new_vs_old_pct']:+.2f}%)")
+    slower = [k for k, m in med.items() if args.gate is not None and m["new_vs_old_pct"] > args.gate]
     doc = {"kind": "nanoqwen-ab-decode", "schema": 1, "gpu": runs["new"][0]["gpu"],
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "how": f"tools/ab_bench.py: `nanoqwen bench 7b --no-baseline`, {args.rounds} rounds of old then new",
-           "old": {"commit": args.old_commit, "runs": runs["old"]}, "new": {"commit": new_commit, "runs": runs["new"]},
-           "summary": med}
+           "how": f"tools/ab_bench.py: `nanoqwen bench 7b --no-baseline`, {args.rounds} rounds of {', '.join(runs)}",
+           **{side: {"commit": sides[side][1], "runs": runs[side]} for side in runs},
+           "summary": med, "gate_pct": args.gate, "gate_failed": slower}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
+    if slower:
+        print(f"regression gate: new is more than {args.gate}% slower than old on {', '.join(slower)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,12 +14,20 @@
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
 #                      the GPU machine lacks: install the wheels of .whl/ first (see the device README)
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
-#   GPU_CHECK_AB       a source tree of another commit (e.g. .old, named in the device call's carry): a
-#                      same-run decode A/B against it, tools/ab_bench.py (ab-decode.json); its commit id in
-#                      GPU_CHECK_AB_COMMIT
+#   GPU_CHECK_GATE     the regression gate for a change to kernels, the runtime or the launch path: a tree
+#                      of the commit to hold the line against (tools/ab_tree.sh COMMIT writes .ab/COMMIT;
+#                      name .ab in the device call's carry). Runs every GPU test, then the same-run A/B of
+#                      decode and TTFT against it (ab-decode.json), and fails the check when ms/token, the
+#                      graph step or TTFT is more than GPU_CHECK_GATE_PCT (default 1) percent slower.
+#   GPU_CHECK_AB       a tree of another commit (as above): the same A/B without the gate;
+#                      GPU_CHECK_AB_ALSO="ID=TREE ..." adds trees to every round (a bisection in one call)
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${GPU_CHECK_GATE:-}" ]; then
+    GPU_CHECK_AB=$GPU_CHECK_GATE GPU_CHECK_KERNELS=${GPU_CHECK_KERNELS:-0}
+    unset GPU_CHECK_TESTS   # every GPU test
+fi
 OUT=${OUT:-/tmp/nanoqwen-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -68,7 +76,11 @@ fi
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
-[ -n "${GPU_CHECK_AB:-}" ] && stage ab 560 $PY tools/ab_bench.py "$GPU_CHECK_AB" \
-    --old-commit "${GPU_CHECK_AB_COMMIT:-old}" --out "$OUT/ab-decode.json"
+if [ -n "${GPU_CHECK_AB:-}" ]; then
+    ab_args=(--old-commit "$(basename "$GPU_CHECK_AB")" --out "$OUT/ab-decode.json")
+    [ -n "${GPU_CHECK_GATE:-}" ] && ab_args+=(--gate "${GPU_CHECK_GATE_PCT:-1}")
+    for t in ${GPU_CHECK_AB_ALSO:-}; do ab_args+=(--also "$t"); done
+    stage ab "${GPU_CHECK_AB_TIMEOUT:-560}" $PY tools/ab_bench.py "$GPU_CHECK_AB" "${ab_args[@]}"
+fi
 grep -a -E "^== " "$LOG"
 exit $status
