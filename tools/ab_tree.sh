@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 commit=${1:?usage: tools/ab_tree.sh COMMIT}
 dest=.ab/$commit
 rm -rf "$dest" && mkdir -p "$dest"
-git archive "$commit" nanoqwen templates config tune | tar -x -C "$dest"
+git archive "$commit" pyproject.toml nanoqwen templates config tune | tar -x -C "$dest"
 echo "$dest"

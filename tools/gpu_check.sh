@@ -12,7 +12,7 @@
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
-#                      the GPU machine lacks: install the wheels of .whl/ first (see the device README)
+#                      the GPU machine lacks: wheels in .whl/ (git-ignored, named in carry) are installed first
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_GATE     the regression gate for a change to kernels, the runtime or the launch path: a tree
 #                      of the commit to hold the line against (tools/ab_tree.sh COMMIT writes .ab/COMMIT;
@@ -32,6 +32,10 @@ OUT=${OUT:-/tmp/nanoqwen-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then   # the server stack, carried as wheels (the machine has no registry)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
 export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built
 LOG="$OUT/run.log"

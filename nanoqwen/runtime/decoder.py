@@ -54,12 +54,12 @@ def buffer_bytes(dims, specs: dict) -> dict[str, int]:
 
 class Decoder:
     """``shared`` is the runtime.state.SequenceState the step runs over; ``kernels`` maps each role of
-    ``step_specs`` to ``(spec, Function)``."""
+    ``step_specs`` to ``(spec, Function)``; ``bufs`` the ``buffer_bytes`` table allocated (by default here)."""
 
-    def __init__(self, shared, kernels: dict, pdl: bool = True):
+    def __init__(self, shared, kernels: dict, pdl: bool = True, bufs: Buffers | None = None):
         self.shared, self.kernels, self.pdl = shared, kernels, pdl
         self.dims, self.stream = shared.dims, shared.stream
-        self.bufs = Buffers(buffer_bytes(shared.dims, {r: spec for r, (spec, _fn) in kernels.items()}))
+        self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: spec for r, (spec, _fn) in kernels.items()}))
         self.host_in = driver.HostBuffer(4 * shared.capacity)   # tokens copied into state[0], slot = step
         self.tok_in = self.host_in.array(np.int32)
         self.sequence = self._sequence()

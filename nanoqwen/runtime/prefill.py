@@ -95,12 +95,12 @@ class Prefiller:
     """``shared`` is the runtime.state.SequenceState it runs over (weights, KV cache, rope tables, stream,
     error flags); ``kernels`` holds the ``prefill_specs`` roles as ``(spec, Function)``; ``capacity`` is
     the most positions a sequence has; chunks of at most ``small_m_tokens`` rows use the small-M GEMMs.
-    Never waits for the GPU."""
+    ``bufs`` is the ``buffer_bytes`` table allocated (by default here). Never waits for the GPU."""
 
-    def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int):
+    def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int, bufs: Buffers | None = None):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
-        self.bufs = Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens))
+        self.bufs = bufs or Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
         self._grids = {}   # (role, shape) -> Launch: one checked Launch per shape, not one per launch
 

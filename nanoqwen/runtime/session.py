@@ -62,11 +62,13 @@ class CudaSession:
         gpu = codegen.GpuProfile.from_props(props)
         specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
         w_bytes = plan(f).nbytes
-        prefill_bytes = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, cfg.prefill.small_m_tokens)}
-                         if chunked else {})
-        self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes,
-                                         state=state_mod.buffer_bytes(d, self.context),
-                                         decode=decoder_mod.buffer_bytes(d, specs), **prefill_bytes)
+        # The parts' buffer tables in their allocation order, which is not free: with the same kernels and
+        # SASS the decode step ran 1.8% slower when its activations followed the shared state rather than
+        # the prefill buffers (docs/perf-notes.md, "Buffer placement").
+        tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, cfg.prefill.small_m_tokens)}
+                  if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
+                                         "decode": decoder_mod.buffer_bytes(d, specs)}
+        self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes, **tables)
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
@@ -76,12 +78,12 @@ class CudaSession:
         self.weights = Weights(f, progress=bar, verify=verify)
         bar.close()
         self.kv = PagedKVCache(layout)
+        bufs = {part: memory.Buffers(table) for part, table in tables.items()}
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
-                                   slots=ahead + 2)
-        # the decode step's buffers next to the shared state, as in the decoder before the redesign (a
-        # guess at the graph step's +0.4% in docs/perf-notes.md, for the next same-run A/B to test)
-        self.decoder = Decoder(self.state, kernels)
-        self.prefiller = Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens) if chunked else None
+                                   slots=ahead + 2, bufs=bufs["state"])
+        self.decoder = Decoder(self.state, kernels, bufs=bufs["decode"])
+        self.prefiller = (Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens, bufs=bufs["prefill"])
+                          if chunked else None)
         self.runner = Runner(self.state, self.decoder, self.prefiller,
                              PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)
         list(self.runner.generate([0], 2))   # eager: loads every module, touches every buffer

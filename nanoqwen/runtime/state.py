@@ -58,12 +58,13 @@ def buffer_bytes(dims, capacity: int) -> dict[str, int]:
 class SequenceState:
     """``weights`` is a runtime.weights.Weights, ``kv`` a runtime.paged_kv.PagedKVCache, ``rope`` the
     (cos, sin) tables of reference.rope_tables for ``capacity`` positions; ``slots`` events ring the
-    read-back (the most steps in flight plus two)."""
+    read-back (the most steps in flight plus two); ``bufs`` the ``buffer_bytes`` table allocated (by
+    default here)."""
 
-    def __init__(self, dims, weights, kv, rope, capacity: int, slots: int):
+    def __init__(self, dims, weights, kv, rope, capacity: int, slots: int, bufs: Buffers | None = None):
         self.dims, self.weights, self.kv, self.capacity = dims, weights, kv, capacity
         self.stream = driver.Stream()
-        self.bufs = b = Buffers(buffer_bytes(dims, capacity))
+        self.bufs = b = bufs or Buffers(buffer_bytes(dims, capacity))
         for buf in (b.argmax_done, b.err):
             buf.memset_u32(0)
         for buf, table in zip((b.cos, b.sin), rope):
