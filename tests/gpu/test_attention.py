@@ -225,3 +225,68 @@ def test_rope_append(fns, model, pos):
     # the written slots match bit for bit and nothing else in the pools changed
     np.testing.assert_array_equal(k.view(np.uint16), k_exp.view(np.uint16))
     np.testing.assert_array_equal(v.view(np.uint16), v_exp.view(np.uint16))
+
+
+@pytest.mark.parametrize("m", [2, 3, 16])
+@pytest.mark.parametrize("model", ["7b", "tiny"])
+def test_multi_row_rows_are_the_single_row_kernels(model, m):
+    """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
+    position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
+    written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
+    over page boundaries and lengths; two rows share a position (padding repeats the last real row)."""
+    d, rng = MODELS[model], fresh_rng()
+    specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
+    built = codegen.build_many([s for t in specs.values() for s in t])
+    fn = {b.spec: driver.load(b) for b in built}
+    at = Attn(d, rng)
+    at.fill(MAX_TOKENS)
+    positions = np.sort(rng.choice(np.arange(17, MAX_TOKENS - 1), m, replace=False)).astype(np.int32)
+    positions[:2] = (15, 16)       # the last slot of a page and the first of the next
+    positions[-1] = positions[-2]  # a padded row repeats the last real one
+    qkv_row = (d.heads + 2 * d.kv_heads) * d.head_dim
+    qkv = (3.0 * rng.standard_normal((m, qkv_row))).astype(np.float32)
+    cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
+    acc_b, ml_b = A.partial_bytes(specs[m][1])
+    bufs = {n: driver.DeviceBuffer(b) for n, b in (("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2),
+                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 4 * m))}
+    b = at.buf
+
+    def run(m_, rows_qkv, pos, state_or_positions):
+        (rs, rf), (ds, df), (cs, cf) = ((s, fn[s]) for s in specs[m_])
+        bufs["qkv"].upload(np.ascontiguousarray(rows_qkv))
+        for name in ("q_rot", "o16"):
+            bufs[name].upload(np.full(bufs[name].nbytes // 4, np.nan, np.float32))
+        where = {"state": b["state"]} if m_ == 1 else {"positions": bufs["positions"]}
+        state_or_positions()
+        rf.launch(rs.launch(), None, pdl=False, **where, qkv=bufs["qkv"], rope_cos=cos, rope_sin=sin,
+                  page_table=b["page_table"], q_rot=bufs["q_rot"], k_pool=b["k_pool"], v_pool=b["v_pool"])
+        df.launch(ds.launch(), None, pdl=True, **where, q_rot=bufs["q_rot"], k_pool=b["k_pool"], v_pool=b["v_pool"],
+                  page_table=b["page_table"], part_acc=bufs["part_acc"], part_ml=bufs["part_ml"])
+        cf.launch(cs.launch(), None, pdl=True, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"], o16=bufs["o16"])
+        driver.device().synchronize()
+        q_rot = bufs["q_rot"].download(np.empty((m, d.q_dim), np.float32))[:m_]
+        o16 = bufs["o16"].download(np.empty((m, d.q_dim), np.float16))[:m_]
+        return q_rot, o16
+
+    def slot_bytes(pool: str, pos: int) -> bytes:
+        lay = at.lay
+        pools = b[pool].download(np.empty(lay.pool_shape, np.float16))
+        return pools[at.table[pos // lay.page_size], :, pos % lay.page_size, :].tobytes()
+
+    try:
+        bufs["positions"].upload(positions)
+        q_m, o_m = run(m, qkv, positions, lambda: None)
+        kv_m = [(slot_bytes("k_pool", p), slot_bytes("v_pool", p)) for p in positions]
+        # the rows again, one at a time, in order (each row's K/V is in the pool before a later row reads it)
+        at.fill(MAX_TOKENS)
+        for r, p in enumerate(positions):
+            q_1, o_1 = run(1, qkv[r:r + 1], p, lambda p=p: at.set_pos(int(p) + 1))
+            assert q_1.tobytes() == q_m[r].tobytes(), f"row {r} (position {p}): q_rot differs from the m = 1 kernel"
+            assert (slot_bytes("k_pool", p), slot_bytes("v_pool", p)) == kv_m[r], f"row {r}: K/V slot differs"
+            assert o_1.tobytes() == o_m[r].tobytes(), f"row {r} (position {p}): o16 differs from the m = 1 kernels"
+            assert np.isfinite(o_1).all()
+    finally:
+        for buf in (*bufs.values(), cos, sin):
+            buf.free()
+        for buf in at.buf.values():
+            buf.free()

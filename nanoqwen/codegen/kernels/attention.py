@@ -6,7 +6,12 @@ warps run the fp32 online softmax) and ``attention_combine`` (merges the splits 
 Partials between decode and combine, fp32, per query head h and split s (row = h * splits + s):
 ``part_acc [heads, splits, head_dim]`` the unnormalized sum exp2(s2 - m2) * v, ``part_ml [heads, splits, 2]``
 (m2, l) with scores in base-2 units s2 = q.k * log2(e) / sqrt(head_dim) and l = sum exp2(s2 - m2).
-An empty split (short sequences) writes (-inf, 0, 0). Sizes: ``partial_bytes(decode_spec)``."""
+An empty split (short sequences) writes (-inf, 0, 0). Sizes: ``partial_bytes(decode_spec)``.
+
+``m`` rows (the multi-row step, DESIGN.md section 12): each kernel serves m independent queries at once, row
+r at its own position ``positions[r]`` (int32 [m], in place of ``state[1]``), its qkv / q_rot / partials /
+o16 rows at r, each row computed exactly as the m = 1 kernel computes it; m = 1 is the decode step itself.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,22 @@ from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
+MAX_ROWS = 16   # the multi-row step's largest bucket
+
+
+def _check_rows(family: str, m: int) -> None:
+    if not 1 <= m <= MAX_ROWS:
+        raise SpecError(f"{family}.m must be 1..{MAX_ROWS} rows, got {m}")
+
+
+def _row_params(m: int) -> tuple[tuple[Param, bool], ...]:
+    """Where a row's position comes from: the device state's position (m = 1) or one per row."""
+    return ((inp("state", "int"), m == 1), (inp("positions", "int", note="int32 [m]: each row's position"), m > 1))
+
+
+def _absent(params) -> str:
+    return "\n".join(p.null_constant() for p, taken in params if not taken)
+
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
 # ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
 # shared memory, seen in every compiled variant), so the 48 KB check counts it.
@@ -30,11 +51,7 @@ VEC = 8                        # fp16 per lane per K/V row in attention_decode (
 class AttentionDecodeSpec(KernelSpec):
     family = "attention_decode"
     template = "attention_decode.cu.j2"
-    uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps")
-    # Kernel parameters in template order: (name, kind) for driver.Function.launch.
-    kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("state", "int"), inp("q_rot", "float"), inp("k_pool", "f16"), inp("v_pool", "f16"),
-        inp("page_table", "int"), out("part_acc", "float"), out("part_ml", "float"))
+    uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps", "m")
 
     head_dim: int
     kv_heads: int
@@ -46,9 +63,20 @@ class AttentionDecodeSpec(KernelSpec):
     # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "plain": consumers read
     # pages straight from global with the same math, no producer/ring: a debugging oracle on the GPU.
     pipeline: str = "bulk"
+    m: int = 1                # rows (queries at their own positions), grid.z
+
+    def _family_params(self):
+        return (*_row_params(self.m), (inp("q_rot", "float"), True), (inp("k_pool", "f16"), True),
+                (inp("v_pool", "f16"), True), (inp("page_table", "int"), True), (out("part_acc", "float"), True),
+                (out("part_ml", "float"), True))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
 
     def validate(self) -> None:
         super().validate()
+        _check_rows(self.family, self.m)
         for name in ("head_dim", "kv_heads", "gqa", "splits", "page_size", "stages", "consumer_warps"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"attention_decode.{name} must be positive, got {getattr(self, name)}")
@@ -81,51 +109,66 @@ class AttentionDecodeSpec(KernelSpec):
         return max(ring, merge) + barriers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
 
     def context(self) -> dict:
-        return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim)}
+        return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim),
+                                    "absent_params": _absent(self._family_params())}
 
     def launch(self) -> Launch:
-        return Launch(grid=(self.kv_heads, self.splits, 1), block=(32 * (self.producers + self.consumer_warps), 1, 1))
+        return Launch(grid=(self.kv_heads, self.splits, self.m),
+                      block=(32 * (self.producers + self.consumer_warps), 1, 1))
 
 
 @dataclass(frozen=True)
 class AttentionCombineSpec(KernelSpec):
     family = "attention_combine"
     template = "attention_combine.cu.j2"
-    uri_fields = ("head_dim", "heads", "splits")
+    uri_fields = ("head_dim", "heads", "splits", "m")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"))
 
     head_dim: int
     heads: int
     splits: int
+    m: int = 1                # rows, grid.y
 
     def validate(self) -> None:
         super().validate()
+        _check_rows(self.family, self.m)
         if self.head_dim % 32 or not 32 <= self.head_dim <= 1024:
             raise SpecError(f"attention_combine.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
         if self.heads <= 0 or self.splits <= 0:
             raise SpecError(f"attention_combine: heads and splits must be positive, got {self.heads}, {self.splits}")
 
     def launch(self) -> Launch:
-        return Launch(grid=(self.heads, 1, 1), block=(self.head_dim, 1, 1))
+        return Launch(grid=(self.heads, self.m, 1), block=(self.head_dim, 1, 1))
 
 
 @dataclass(frozen=True)
 class RopeAppendSpec(KernelSpec):
     family = "rope_append"
     template = "rope_append.cu.j2"
-    uri_fields = ("head_dim", "heads", "kv_heads")
-    kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("state", "int"), inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"),
-        inp("page_table", "int"), out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"))
+    uri_fields = ("head_dim", "heads", "kv_heads", "m")
 
     head_dim: int
     heads: int
     kv_heads: int
     page_size: int = 16
+    m: int = 1                # rows, grid.y
+
+    def _family_params(self):
+        return (*_row_params(self.m), (inp("qkv", "float"), True), (inp("rope_cos", "float"), True),
+                (inp("rope_sin", "float"), True), (inp("page_table", "int"), True), (out("q_rot", "float"), True),
+                (out("k_pool", "f16"), True), (out("v_pool", "f16"), True))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
+
+    def context(self) -> dict:
+        return super().context() | {"absent_params": _absent(self._family_params())}
 
     def validate(self) -> None:
         super().validate()
+        _check_rows(self.family, self.m)
         if self.head_dim % 64 or self.head_dim > 2048:
             raise SpecError(f"rope_append.head_dim must be a multiple of 64 (head_dim/2 threads in whole warps), "
                             f"got {self.head_dim}")
@@ -133,7 +176,7 @@ class RopeAppendSpec(KernelSpec):
             raise SpecError(f"rope_append: bad heads/kv_heads/page_size {self.heads}/{self.kv_heads}/{self.page_size}")
 
     def launch(self) -> Launch:
-        return Launch(grid=(self.heads + self.kv_heads, 1, 1), block=(self.head_dim // 2, 1, 1))
+        return Launch(grid=(self.heads + self.kv_heads, self.m, 1), block=(self.head_dim // 2, 1, 1))
 
 
 def splits_for(kv_heads: int, ctas: int) -> int:
@@ -142,20 +185,21 @@ def splits_for(kv_heads: int, ctas: int) -> int:
 
 
 def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
-    """(part_acc, part_ml) buffer sizes in bytes for ``spec``."""
-    rows = spec.kv_heads * spec.gqa * spec.splits
+    """(part_acc, part_ml) buffer sizes in bytes for ``spec`` (its m rows)."""
+    rows = spec.m * spec.kv_heads * spec.gqa * spec.splits
     return rows * spec.head_dim * 4, rows * 2 * 4
 
 
-def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int = 1
                  ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
-    """The three attention-side kernels of one decode step, in launch order."""
+    """The three attention-side kernels of one decode step of ``m`` rows, in launch order. The splits do
+    not depend on m: a row's pages split as in the single-row step, so it rounds the same."""
     a, page = cfg.attention, cfg.kv_cache.page_size
     splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
-    return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page),
+    return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
-                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps),
-            AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits))
+                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps, m=m),
+            AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
