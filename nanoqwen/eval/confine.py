@@ -104,7 +104,9 @@ def drop_privileges(cfg, applied):
     for cap in range(cfg["cap_last"] + 1):
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # refused without CAP_SETPCAP: then there is nothing to drop
     libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+    who = "the caller's uid"
     if os.getuid() == 0:
+        who = "a uid of its own"
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
@@ -112,7 +114,7 @@ def drop_privileges(cfg, applied):
     check(libc.capset(header, (ctypes.c_uint32 * 6)()))  # effective, permitted, inheritable: all empty
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program (same uid) cannot ptrace the init or open its fds
-    applied["user"] = "uid %d, no capabilities (bounding set empty), no_new_privs" % os.getuid()
+    applied["user"] = who + ", no capabilities (bounding set empty), no_new_privs"
 
 
 def set_limits(cfg, applied):
