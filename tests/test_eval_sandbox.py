@@ -6,6 +6,7 @@ which (the run's own report names what applied)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -331,3 +332,37 @@ def test_capacity_check_refuses_more_than_the_host_has():
     with pytest.raises(sandbox.SandboxError, match="use fewer --jobs"):
         sandbox.check_capacity(sandbox.Limits(memory_mb=1 << 30), jobs=1)
     sandbox.check_capacity(sandbox.Limits(memory_mb=64, disk_mb=1), jobs=1)
+
+
+UNPRIVILEGED = """
+import json, sys
+from nanoqwen.eval import sandbox
+limits = sandbox.Limits(timeout_s=5.0)
+runs = [sandbox.run("print(open('/etc/hostname').read())", limits),
+        sandbox.run("def f():\\n    return 1\\ndef check(c):\\n    assert c() == 1\\n", limits, "check(f)")]
+print(json.dumps([[o.status, o.detail, o.applied] for o in runs]))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="runs the caller's path as another uid: needs root")
+def test_unprivileged_caller_is_confined_through_a_user_namespace():
+    """The path a non-root caller takes (a user namespace of its own mapping only its uid), run as nobody:
+    confined the same way, where the OS allows unprivileged user namespaces."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__))))
+    for python in (sandbox._interpreter(), "/usr/bin/python3"):
+        try:
+            proc = subprocess.run([python, "-I", "-c", f"import sys; sys.path.insert(0, {repo!r})\n" + UNPRIVILEGED],
+                                  user=65534, group=65534, extra_groups=[], capture_output=True, text=True,
+                                  timeout=60, cwd="/")
+        except PermissionError:
+            continue
+        if proc.returncode == 0:
+            break
+    else:
+        pytest.skip("no interpreter here that uid 65534 may run (with nanoqwen importable)")
+    (attack, attack_detail, applied), (status, _, _) = json.loads(proc.stdout)
+    require(applied, "processes", "own PID namespace")
+    require(applied, "filesystem", "own root")
+    assert applied["user"].startswith("the caller's uid, no capabilities") and applied["network"].startswith("none")
+    assert attack == "fail" and attack_detail.startswith("FileNotFoundError"), attack_detail
+    assert status == "pass"
