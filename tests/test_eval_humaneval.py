@@ -54,7 +54,7 @@ def problem_of(request) -> dict:
 
 
 def evaluate(source, problems=PROBLEMS, limits=LIMITS, chat=False):
-    return he.evaluate(problems, source, chat, 512, limits, jobs=4, config={"sandbox": limits.to_dict()}).to_dict()
+    return he.evaluate(problems, source, chat, 512, limits, jobs=2, config={"sandbox": limits.to_dict()}).to_dict()
 
 
 def test_dataset():

@@ -163,6 +163,7 @@ def init(cfg, status_fd, marker_fd):
         os.close(status_fd)  # the program never speaks for the harness
         run_program(cfg, marker_fd)
     os.close(marker_fd)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as PID 1 it then ignores the program's SIGINT
     while True:  # as PID 1, reap every orphan until the program itself ends
         pid, status = os.wait()
         if pid == program:
@@ -172,24 +173,28 @@ def init(cfg, status_fd, marker_fd):
 
 def run_program(cfg, marker_fd):
     """The untrusted code, then the check, in one namespace; the secret only after the check has returned."""
-    write, exit_now, flush = os.write, os._exit, sys.stderr.flush  # bound before the program can replace them
+    # bound before the program runs: it may replace builtins and module attributes (builtins.eval included)
+    write, exit_now, flush, evaluate, print_exc = os.write, os._exit, sys.stderr.flush, eval, traceback.print_exc
     secret = cfg.pop("secret").encode()
-    program, checker = cfg.pop("program"), cfg.pop("check")
     namespace = {"__name__": "__main__"}
     try:
-        exec(compile(program, os.path.abspath("program.py"), "exec"), namespace)
-        if checker:
-            eval(compile(checker, "<check>", "eval"), namespace)
+        checker = compile(cfg.pop("check") or "None", "<check>", "eval")
+        exec(compile(cfg.pop("program"), os.path.abspath("program.py"), "exec"), namespace)
+        evaluate(checker, namespace)
     except BaseException:  # SystemExit included: leaving early is not passing
-        traceback.print_exc()
-        flush()
-        exit_now(1)
+        try:
+            print_exc()
+            flush()
+        finally:
+            exit_now(1)
     try:
         flush()
     except BaseException:
-        pass
-    write(marker_fd, secret)
-    exit_now(0)
+        pass  # its stderr is its own: a closed one does not fail a solution
+    try:
+        write(marker_fd, secret)
+    finally:
+        exit_now(0)
 
 
 # --- the supervisor --------------------------------------------------------------------------------------
@@ -212,6 +217,7 @@ def supervise(cfg, status_fd, marker_fd):
         cfg["pid_namespace"] = "own PID namespace (all killed when it ends)"
     except OSError as e:
         cfg["pid_namespace"] = "shared with the host (unshare refused: %s)" % e.strerror
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # after the maps: no process of its uid may open its fds or memory
     deadline = cfg["deadline"]
     child = os.fork()
     if child == 0:
@@ -219,9 +225,12 @@ def supervise(cfg, status_fd, marker_fd):
             os.setpgid(0, 0)
             init(cfg, status_fd, marker_fd)
         except BaseException as e:
-            os.write(status_fd, (json.dumps({"error": "%s: %s" % (type(e).__name__, e)}) + "\n").encode())
-            traceback.print_exc()
-        os._exit(125)
+            try:
+                os.write(status_fd, (json.dumps({"error": "%s: %s" % (type(e).__name__, e)}) + "\n").encode())
+                traceback.print_exc()
+            finally:
+                os._exit(125)
+        os._exit(125)  # never reached: the init and the program end with os._exit
     os.close(marker_fd)
     pidfd = os.pidfd_open(child)
     timeout = not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]

@@ -201,9 +201,10 @@ def _collect(proc: subprocess.Popen, fds: dict[str, int], deadline: float) -> di
     got = {name: b"" for name in fds}
     open_fds = dict(fds)
     pidfd = os.pidfd_open(proc.pid)
+    waiting = [pidfd]
     try:
         while open_fds:
-            ready = select.select([pidfd, *open_fds.values()], [], [], max(deadline - time.monotonic(), 0))[0]
+            ready = select.select(waiting + list(open_fds.values()), [], [], max(deadline - time.monotonic(), 0))[0]
             if not ready:  # the supervisor is stuck: end its session
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
@@ -216,8 +217,9 @@ def _collect(proc: subprocess.Popen, fds: dict[str, int], deadline: float) -> di
                         got[name] = (got[name] + chunk)[-STDERR_TAIL:]
                     elif len(got[name]) < 65536:
                         got[name] += chunk
-            if pidfd in ready and proc.poll() is not None:
-                deadline = min(deadline, time.monotonic() + 1.0)  # what is still open closes with its kill
+            if pidfd in ready:  # the supervisor has exited: what is still open closes with its init's end
+                waiting = []
+                deadline = min(deadline, time.monotonic() + 1.0)
     finally:
         os.close(pidfd)
         try:
@@ -229,8 +231,12 @@ def _collect(proc: subprocess.Popen, fds: dict[str, int], deadline: float) -> di
 
 
 def _outcome(read: dict[str, bytes], secret: str, seconds: float, limits: Limits) -> Outcome:
-    lines = [json.loads(line) for line in read["status"].decode().splitlines() if line.strip()]
-    status = {k: v for line in lines for k, v in line.items()}
+    status = {}
+    for line in read["status"].decode("utf-8", "replace").splitlines():
+        try:
+            status |= json.loads(line)
+        except ValueError:
+            pass  # a line cut short by a kill
     applied = status.get("applied", {})
     tail = [line.strip() for line in read["stderr"].decode("utf-8", "replace").splitlines() if line.strip()]
     last = tail[-1][:300] if tail else ""
