@@ -7,8 +7,8 @@ holds the confinement; what it does, where the OS allows:
 - processes: a new PID namespace (through a new user namespace when not root) whose init is the sandbox's
   first process: its /proc shows only its own processes (no server's command line), and when it ends the
   kernel kills every process left in it, setsid or not;
-- files: a new mount namespace whose root is a tmpfs holding only the interpreter's prefix and the
-  directories of the libraries it loads (read-only, nosuid, nodev), /dev/null, zero, full, random and
+- files: a new mount namespace whose root is a tmpfs holding only the interpreter, its standard library and
+  the directories of the libraries it loads (read-only, nosuid, nodev), /dev/null, zero, full, random and
   urandom, its own /proc and /work, its directory: a tmpfs of `disk_mb` (the total disk limit) whose
   program.py is the program. No host /etc, /root, /tmp, /run or checkout;
 - network: a new network and IPC namespace (no interface up; abstract Unix sockets are per namespace), and
@@ -97,9 +97,11 @@ def _sandbox_uid() -> int:
 
 
 def check_platform() -> None:
+    """Refuse before any work where the sandbox cannot start (what the OS refuses later is reported per run)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         raise SandboxError("the execution sandbox needs Linux (pidfd, setrlimit, namespaces); "
                            f"this is {sys.platform}")
+    mount_plan()
 
 
 def check_capacity(limits: Limits, jobs: int) -> None:
@@ -138,16 +140,18 @@ def _mirror(path: str, plan: list) -> str:
 
 @functools.cache
 def mount_plan() -> tuple[tuple, ...]:
-    """What the new root holds: the interpreter's prefix and the directories of every library that the
-    interpreter and its extension modules load (by ldd), read-only; the device nodes, writable."""
+    """What the new root holds: the interpreter, its standard library (site-packages only where they lie
+    inside it) and the directories of every library that it and its extension modules load (by ldd),
+    read-only; the device nodes, writable. The Python packages of the host are not there."""
     exe = _interpreter()
-    files = [exe] + [so for d in sys.path if d.endswith("lib-dynload") for so in glob.glob(os.path.join(d, "*.so"))]
+    dynload = [d for d in sys.path if d.endswith("lib-dynload")]
+    files = [exe] + [so for d in dynload for so in glob.glob(os.path.join(d, "*.so"))]
     try:
         out = subprocess.run(["ldd", *files], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SandboxError(f"the sandbox finds the interpreter's libraries with ldd, which failed: {e}") from None
     libs = {w for line in out.splitlines() for w in line.split() if w.startswith("/") and not w.endswith(":")}
-    wanted = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix), os.path.dirname(exe)}
+    wanted = {exe, os.path.dirname(os.path.realpath(os.__file__)), *map(os.path.realpath, dynload)}
     wanted |= {os.path.dirname(lib) for lib in libs} | {os.path.dirname(os.path.realpath(lib)) for lib in libs}
     if os.path.exists("/etc/ld.so.cache"):  # where the loader looks first (libraries outside its default dirs)
         wanted.add("/etc/ld.so.cache")
