@@ -30,7 +30,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1
 ATTR_RDONLY, ATTR_NOSUID, ATTR_NODEV, ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8  # MOUNT_ATTR_*
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SYS_MOUNT_SETATTR = 442  # the same on every architecture
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
+PR_SET_DUMPABLE, PR_CAPBSET_READ, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 23, 24, 38, 47
 
 
 def check(rc):
@@ -81,11 +81,13 @@ def build_root(cfg, applied):
             set_attr(path, ATTR_NOSUID | ATTR_NOEXEC if kind == "dev" else ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
                      recursive=True)
     os.mkdir(root + "/proc")
-    try:  # in its new PID namespace, /proc shows only its own processes
+    try:  # in its new PID namespace, /proc shows only its own processes; in the host's, none is mounted
+        if not applied["processes"].startswith("own"):
+            raise OSError(0, "no PID namespace of its own")
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         applied["proc"] = "its own processes only (own PID namespace)"
     except OSError as e:  # e.g. a user namespace under a masked /proc: then no /proc at all
-        applied["proc"] = "none (mount refused: %s)" % e.strerror
+        applied["proc"] = "none (%s)" % e.strerror
     os.mkdir(root + "/work")
     mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           "size=%dk,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (cfg["disk_mb"] << 10, cfg["disk_mb"] << 6, uid, uid))
@@ -102,7 +104,8 @@ def drop_privileges(cfg, applied):
     """No capability in any set (bounding and ambient included), no_new_privs (setuid bits do nothing), and for
     root a uid of its own (that owns no file and no other process, so RLIMIT_NPROC counts this sandbox)."""
     for cap in range(cfg["cap_last"] + 1):
-        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # refused without CAP_SETPCAP: then there is nothing to drop
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # refused without CAP_SETPCAP: read back below
+    bounding = sum(libc.prctl(PR_CAPBSET_READ, cap, 0, 0, 0) == 1 for cap in range(cfg["cap_last"] + 1))
     libc.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
     who = "the caller's uid"
     if os.getuid() == 0:
@@ -114,7 +117,8 @@ def drop_privileges(cfg, applied):
     check(libc.capset(header, (ctypes.c_uint32 * 6)()))  # effective, permitted, inheritable: all empty
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program (same uid) cannot ptrace the init or open its fds
-    applied["user"] = who + ", no capabilities (bounding set empty), no_new_privs"
+    applied["user"] = who + ", no capabilities (bounding set %s), no_new_privs" % (
+        "empty" if not bounding else "of %d kept: no CAP_SETPCAP to drop them" % bounding)
 
 
 def set_limits(cfg, applied):
@@ -150,6 +154,7 @@ def init(cfg, status_fd, marker_fd):
         build_root(cfg, applied)
     except OSError as e:  # run where it is, in the host's directory: no disk limit, the host's files visible
         applied["filesystem"] = "host (own root refused: %s)" % e.strerror
+        applied.setdefault("proc", "the host's (no root of its own)")
         os.chdir(cfg["root"])
         os.chown(".", cfg["uid"], cfg["uid"])
     with open("program.py", "w", encoding="utf-8") as f:  # for the traceback's source lines
