@@ -17,10 +17,12 @@ import time
 import pytest
 
 from nanoqwen.eval import sandbox
+from nanoqwen.eval.confine import SECCOMP_ARCH
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 
 LIMITS = sandbox.Limits(timeout_s=3.0)
+CLONE_NR = SECCOMP_ARCH.get(os.uname().machine, (None, None, -1))[2]  # -1: no filter here, the test skips
 SOLUTION = "def add(a, b):\n    return a + b\n"
 TESTS = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
 
@@ -239,6 +241,23 @@ def test_host_sockets_are_unreachable(tmp_path, applied):
         for attack, error in attacks.items():
             out = run(f"import socket\n{attack}\n", tmp_path)
             assert out.status == "fail" and out.detail.startswith(error), (attack, out.detail)
+
+
+@pytest.mark.parametrize("attack, error", [
+    ("import os\nos.memfd_create('ram')\n", "PermissionError"),  # a file in memory, beside the tmpfs
+    ("assert libc.shmget(0, 1 << 20, 0o1600) >= 0, errno()\n", "AssertionError: 1"),  # SysV shared memory
+    ("assert libc.msgget(0, 0o1600) >= 0, errno()\n", "AssertionError: 1"),  # SysV message queue
+    ("assert libc.unshare(0x10000000) == 0, errno()\n", "AssertionError: 1"),  # CLONE_NEWUSER: caps again
+    (f"assert libc.syscall({CLONE_NR}, 0x10000000 | 17, 0, 0, 0, 0) >= 0, errno()\n",  # clone(NEWUSER|SIGCHLD)
+     "AssertionError: 1"),
+])
+def test_memory_beside_the_address_space_and_new_user_namespaces_are_refused(tmp_path, applied, attack, error):
+    """What RLIMIT_AS does not count (memfd, SysV shm and message queues, a tmpfs mounted in a user namespace of
+    its own) is refused by the seccomp filter with EPERM."""
+    require(applied, "syscalls", "refused")
+    prelude = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nerrno = ctypes.get_errno\n"
+    out = run(prelude + attack, tmp_path)
+    assert out.status == "fail" and out.detail.startswith(error), out.detail
 
 
 def test_disk_limit_is_total(tmp_path, applied):

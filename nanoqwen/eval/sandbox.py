@@ -14,7 +14,10 @@ holds the confinement; what it does, where the OS allows:
 - network: a new network and IPC namespace (no interface up; abstract Unix sockets are per namespace), and
   no host path to a Unix socket;
 - privileges: every capability dropped from every set, the bounding set included, no_new_privs (setuid
-  binaries run unprivileged), and for root a uid of its own that owns no file and no other process;
+  binaries run unprivileged), and for root a uid of its own that owns no file and no other process; a
+  seccomp filter refuses new user namespaces (capabilities again, enough to mount a tmpfs of any size);
+- memory beside the address space: the same filter refuses memfd_create and SysV shared memory and message
+  queues; its files are in the /work tmpfs; RLIMIT_NOFILE bounds what its pipes and sockets buffer;
 - memory: RLIMIT_AS of memory_mb / processes for each of at most `processes` processes (RLIMIT_NPROC,
   counted for its own uid or user namespace), so all of them together stay under memory_mb;
   check_capacity keeps `jobs` sandboxes under the memory the host has available. Time: the wall clock
@@ -73,7 +76,8 @@ class Limits:
 
     def rlimits(self) -> dict[str, int]:
         return {"RLIMIT_CPU": math.ceil(self.timeout_s) + 1, "RLIMIT_AS": (self.memory_mb << 20) // self.processes,
-                "RLIMIT_NPROC": self.processes, "RLIMIT_CORE": 0}
+                "RLIMIT_NPROC": self.processes, "RLIMIT_CORE": 0,
+                "RLIMIT_NOFILE": 256}  # bounds the kernel memory its pipes and sockets may hold
 
     def to_dict(self) -> dict:
         return asdict(self) | {"rlimits": self.rlimits()}
