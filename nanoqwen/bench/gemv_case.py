@@ -22,14 +22,6 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def io_bytes(spec: gemv.GemvInt4Spec) -> int:
-    """Activation bytes one call moves beside the weights: x (or h + norm weight), bias, y (read + write
-    for the residual)."""
-    x = spec.k * (4 + 2) if spec.norm else spec.k * 2
-    y = spec.n * (2 if spec.out_f16 else 4) * (2 if spec.epilogue == "residual" else 1)
-    return x + y + (2 * spec.n if spec.epilogue == "bias" else 0)
-
-
 class GemvCase:
     """Device buffers of one (epilogue, norm, out_f16, n, k) variant; any tile spec of that variant runs
     on them (the tuner times many candidates over one case)."""

@@ -21,7 +21,7 @@ from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
-from .gemv_case import GemvCase, io_bytes
+from .gemv_case import GemvCase
 
 COPY_BYTES = 2 << 30          # one direction; read + write = 4 GiB moved per copy
 COPY_REPS = 10
@@ -101,7 +101,7 @@ def rotating_copies(spec: gemv.GemvInt4Spec, rotate_bytes: int) -> int:
 def row(role: str, spec: gemv.GemvInt4Spec, t: dict, copy_GBps: float, copies: int) -> dict:
     """One result row: bytes moved per call, the floor at the measured copy bandwidth, and for both modes
     the median (min, max) time, GB/s and % of the copy bandwidth."""
-    nbytes = spec.weight_bytes() + io_bytes(spec)
+    nbytes = spec.weight_bytes() + spec.io_bytes()
     out = {"role": role, "n": spec.n, "k": spec.k, "uri": spec.uri, "spec": spec.spec_repr,
            "grid": list(spec.launch().grid), "block": list(spec.launch().block), "bytes": nbytes,
            "copies": copies, "graph_calls": t["graph_calls"], "floor_us": nbytes / (copy_GBps * 1e9) * 1e6}
