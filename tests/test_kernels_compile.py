@@ -1,5 +1,5 @@
-"""Every kernel the 7B model and the test models need renders and compiles for sm_90a with NVRTC (no GPU),
-with no register spills and no local memory. One session-scoped fixture builds them all in parallel
+"""Every kernel the 7B model and the test models need (the multi-row step's m = 2..16 kernels included)
+renders and compiles for sm_90a with NVRTC (no GPU), with no register spills and no local memory. One session-scoped fixture builds them all in parallel
 first (serial compilation would dominate the wall time), into a fresh cache so CI really compiles."""
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def _tiny_dims() -> ModelDims:
 
 
 MODELS = {"7b": QWEN25_7B, "tiny": _tiny_dims()}
-# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU)
-SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())))
+# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU), plus the
+# multi-row step's m > 1 kernels (config multirow.buckets)
+SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())
+                                  + codegen.multirow_kernels(dims)))
          for name, dims in MODELS.items()}
 CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 

@@ -24,7 +24,7 @@ from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
-MAX_M = 16                                      # activation rows of the multi-row step
+MAX_M = config.MAX_ROWS                         # activation rows of the multi-row step
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
 
 
@@ -232,28 +232,28 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
     if spec.unroll and spec.iters % spec.unroll:
         spec = GemvInt4Spec(**{**params, "unroll": 0})
     spec.validate()
-    return multirow_spec(spec, m)
+    return multirow_spec(spec, m, cfg)
 
 
 # Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
 # header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest. m rows of x take
-# m times the shared memory (qkv: 7 KB per row), so large m runs fewer, fuller CTAs: at least
-# MULTIROW_WARPS warps each, and tiles_per_warp raised until the grid fits in one wave at the residency
-# the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet (nanoqwen-tune
-# covers m = 1); docs/perf-notes.md predicts the costs.
-MULTIROW_WARPS = 8
+# m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: at least
+# multirow.gemv_warps warps each, and tiles_per_warp raised until the grid fits in one wave at the
+# residency the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet
+# (nanoqwen-tune covers m = 1); docs/perf-notes.md predicts the costs.
 SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 
 
-def multirow_spec(spec: GemvInt4Spec, m: int, gpu: GpuProfile = DEFAULT) -> GemvInt4Spec:
+def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
+                  gpu: GpuProfile = DEFAULT) -> GemvInt4Spec:
     """The m-row kernel whose every row is bitwise `spec`'s output for that row (m = 1: `spec` itself)."""
     if m == spec.m:
         return spec
     if spec.m != 1:
         raise SpecError(f"{spec.family}: multirow_spec derives from an m = 1 spec, got m={spec.m}")
     out = dataclasses.replace(spec, m=m)
-    if m > 1 and out.xs_bytes <= gpu.max_smem:
-        out = dataclasses.replace(out, warps=max(spec.warps, MULTIROW_WARPS))
+    if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
+        out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
         resident = max(1, gpu.max_smem // (out.xs_bytes + SMEM_MARGIN))   # CTAs per SM the staged x allows
         tpw = spec.tiles_per_warp
         while -(-out.tiles // (out.warps * tpw)) * out.splitk > resident * gpu.sm_count:
@@ -266,6 +266,12 @@ def multirow_spec(spec: GemvInt4Spec, m: int, gpu: GpuProfile = DEFAULT) -> Gemv
 def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
     dims.check_quantizable(cfg.quant.group_size)
     return [role_spec(role, dims, cfg) for role in ROLES]
+
+
+def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
+    """The m > 1 kernels of the decoder-layer roles, one per multirow bucket (config multirow.buckets)."""
+    return [multirow_spec(spec, m, cfg, gpu) for spec in specs_for_model(dims, cfg, gpu)
+            for m in cfg.multirow.buckets if m > 1]
 
 
 def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:

@@ -45,7 +45,7 @@ ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not wri
 
 _SMEM_STATIC_MAX = 48 * 1024
 _SMEM_MARGIN = 4096   # static shared memory beside x (per-row warp sums and maxima) + the 1 KB sm_90 reservation
-MAX_M = 16            # activation rows of the multi-row step
+MAX_M = config.MAX_ROWS   # activation rows of the multi-row step
 
 
 def lane_vecs(hidden: int) -> int:
@@ -148,3 +148,8 @@ def model_spec(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT, m
 
 def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return [model_spec(dims, cfg, gpu)]
+
+
+def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
+    """The m > 1 lm_head + argmax kernels, one per multirow bucket (config multirow.buckets)."""
+    return [model_spec(dims, cfg, gpu, m) for m in cfg.multirow.buckets if m > 1]
