@@ -391,6 +391,8 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, m):
     one_spec, spec = L.model_spec(dims, CFG), L.model_spec(dims, CFG, m=m)
     one, many = LmHead(one_spec, multirow_fns[one_spec]), LmHead(spec, multirow_fns[spec], tokens_cap=16)
     try:
+        many.norm_w[:] = one.norm_w
+        many.buf["norm_w"].upload(many.norm_w)
         many.set_weights(one.w)
         hs = one.rng.standard_normal((m, dims.hidden), dtype=np.float32)
         if m > 1:
