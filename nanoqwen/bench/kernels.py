@@ -4,7 +4,8 @@ bandwidth of the same device measured in the same run (cuMemcpyDtoDAsync, bytes 
 
 Weights rotate over enough distinct copies (config bench.l2_rotate_bytes in total) that L2 cannot serve
 them; activations stay put (they are L2-resident in decode too). Bytes counted per call: packed weights +
-scales + the input vector(s) + the output vector."""
+scales + the input vector(s) + the output vector. Then the multi-row step's costs (bench/multirow.py): each
+GEMV and the lm_head over m = 1, 2, 4, 8, 16 rows as a multiple of m = 1."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
+from . import multirow
 from .gemv_case import GemvCase
 
 COPY_BYTES = 2 << 30          # one direction; read + write = 4 GiB moved per copy
@@ -177,9 +179,11 @@ def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, roles=gem
         rows.append(r)
     blocker.free()
     result["gemv"] = rows
+    log(table(result))
+    result["multirow"] = multirow.run(stream, copy["GBps"], dims, cfg, roles, props.name)
+    log(multirow.table(result["multirow"]))
     result["clocks_after"] = clocks()
     stream.close()
-    log(table(result))
     return result
 
 

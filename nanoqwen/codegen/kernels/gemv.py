@@ -238,7 +238,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
 # Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
 # header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest. m rows of x take
 # m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: at least
-# multirow.gemv_warps warps each, and tiles_per_warp raised until the grid fits in one wave at the
+# multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid fits in one wave at the
 # residency the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet
 # (nanoqwen-tune covers m = 1); docs/perf-notes.md predicts the costs.
 SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
@@ -253,7 +253,8 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
         raise SpecError(f"{spec.family}: multirow_spec derives from an m = 1 spec, got m={spec.m}")
     out = dataclasses.replace(spec, m=m)
     if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
-        out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
+        if spec.splitk == 1:   # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4
+            out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
         resident = max(1, gpu.max_smem // (out.xs_bytes + SMEM_MARGIN))   # CTAs per SM the staged x allows
         tpw = spec.tiles_per_warp
         while -(-out.tiles // (out.warps * tpw)) * out.splitk > resident * gpu.sm_count:
