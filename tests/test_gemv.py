@@ -266,3 +266,18 @@ def test_multirow_reads_each_weight_once(role):
     per_row = (n16 - n1) / 15 / _real_weights(many)
     print(f"{role} m=16: {n16} SASS vs {n1} at m=1: {per_row:.3f} per weight per extra row; {ops.most_common(5)}")
     assert per_row <= MULTIROW_PER_ROW_GUARD, f"{role}: {per_row:.3f} SASS per weight per extra row"
+
+
+def test_gen_lists_and_picks_multirow_kernels(capsys):
+    """nanoqwen-gen: `list --model` shows every m-row kernel; `emit FAMILY --model` picks the decode kernel
+    (m = 1) unless --param m=K asks for the K-row one."""
+    from nanoqwen.cli import gen
+    assert gen.main(["list", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    for spec in codegen.multirow_kernels(tiny_dims(), CFG):
+        assert spec.uri in out
+    one = gemv.role_spec("qkv", tiny_dims(), CFG)
+    assert gen.main(["emit", "gemv_int4", "--model", "tiny", "--param", "epilogue=bias"]) == 0
+    assert capsys.readouterr().out == codegen.render(one)
+    assert gen.main(["emit", "gemv_int4", "--model", "tiny", "--param", "epilogue=bias", "--param", "m=8"]) == 0
+    assert capsys.readouterr().out == codegen.render(gemv.role_spec("qkv", tiny_dims(), CFG, m=8))
