@@ -205,8 +205,11 @@ def test_multirow_spec_keeps_what_decides_a_rows_order(dims, role):
     # every grid of m > 1 fits in one wave at the residency its staged x allows
     for spec in gemv.multirow_specs_for_model(dims, CFG):
         resident = max(1, DEFAULT_GPU.max_smem // (spec.xs_bytes + gemv.SMEM_MARGIN))
+        assert spec.resident_ctas() == resident
         grid = spec.launch().grid
         assert grid[0] * grid[1] <= resident * DEFAULT_GPU.sm_count or spec.tiles_per_warp == one.tiles_per_warp
+        hint = "__launch_bounds__(THREADS, 1)" if resident == 1 else "__launch_bounds__(THREADS)"
+        assert hint in codegen.render(spec)
 
 
 def test_small_py_shares_the_tiny_kernels():

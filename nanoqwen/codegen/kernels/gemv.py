@@ -25,6 +25,7 @@ from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
 MAX_M = config.MAX_ROWS                         # activation rows of the multi-row step
+SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
 
 
@@ -90,6 +91,10 @@ class GemvInt4Spec(KernelSpec):
     def xs_dynamic(self) -> bool:
         """m > 1 stages x in dynamic shared memory (up to 160 KB at m = 16); m = 1 keeps today's static array."""
         return self.m > 1
+
+    def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
+        """CTAs per SM the staged x allows (m = 1: not the limit, reported as the shared-memory bound too)."""
+        return max(1, gpu.max_smem // (self.xs_bytes + SMEM_MARGIN))
 
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
@@ -174,6 +179,10 @@ class GemvInt4Spec(KernelSpec):
         return super().context() | dict(
             unroll_eff=self.unroll_eff, grid_x=self.grid_x, absent_params="\n".join(absent),
             xs_dynamic=self.xs_dynamic,
+            # when the staged x already allows one CTA per SM, say so: ptxas may then use every register
+            # (without the hint it stopped at 128 and spilled on m = 16 at lanes 32, rows 1)
+            launch_bounds="__launch_bounds__(THREADS, 1)" if self.m > 1 and self.resident_ctas() == 1
+            else "__launch_bounds__(THREADS)",
             cluster_dims="__cluster_dims__(1, SPLITK, 1) " if self.splitk > 1 else "")
 
     def launch(self) -> Launch:
@@ -241,7 +250,6 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
 # multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid fits in one wave at the
 # residency the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet
 # (nanoqwen-tune covers m = 1); docs/perf-notes.md predicts the costs.
-SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 
 
 def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
@@ -255,9 +263,8 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
     if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
         if spec.splitk == 1:   # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4
             out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
-        resident = max(1, gpu.max_smem // (out.xs_bytes + SMEM_MARGIN))   # CTAs per SM the staged x allows
         tpw = spec.tiles_per_warp
-        while -(-out.tiles // (out.warps * tpw)) * out.splitk > resident * gpu.sm_count:
+        while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
             tpw += 1
         out = dataclasses.replace(out, tiles_per_warp=tpw)
     out.validate()
