@@ -123,8 +123,10 @@ class LmHeadArgmaxSpec(KernelSpec):
 
     def context(self) -> dict:
         absent = [p.null_constant() for p, taken in self._family_params() if not taken]
+        note = "// Parameters this variant does not take: null, read only in if constexpr branches it discards."
         return {**super().context(), "err_no_finite_logit": ERR_NO_FINITE_LOGIT,
-                "err_tokens_out_full": ERR_TOKENS_OUT_FULL, "absent_params": "\n".join(absent)}
+                "err_tokens_out_full": ERR_TOKENS_OUT_FULL,
+                "absent_params": "".join(f"\n{line}" for line in [note, *absent]) if absent else ""}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.ctas, 1, 1), block=(32 * self.warps, 1, 1),
