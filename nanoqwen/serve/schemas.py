@@ -20,7 +20,7 @@ class Sampled(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,7 +50,7 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: str
+    role: Literal["system", "user", "assistant", "tool"]   # what the chat template renders
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
@@ -83,7 +83,7 @@ class InfillRequest(BaseModel):
     stream: bool = False
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: list[str] = []
 
 
