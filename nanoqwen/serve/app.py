@@ -19,7 +19,7 @@ from ..runtime.generate import ContextError, check_request
 from ..runtime.sampler import Sampling
 from . import errors, limits, offload, prompts
 from .errors import APIError, parse
-from .limits import MAX_HEADERS
+from .limits import MAX_HEAD_BYTES, MAX_HEADERS
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .worker import Done, Failed, Job, Token
 
@@ -56,8 +56,9 @@ class Guard:
                 raise HTTPException(413, _too_large(srv.max_body).message)
             return message
         try:
-            if len(scope["headers"]) > MAX_HEADERS:
-                raise APIError(f"more than {MAX_HEADERS} headers", status=431, code="too_many_headers")
+            if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEAD_BYTES:
+                raise APIError(f"the request has more than {MAX_HEADERS} headers or {MAX_HEAD_BYTES} bytes of them",
+                               status=431, code="headers_too_large")
             headers = dict(scope["headers"])
             if srv.api_key and path not in OPEN:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -257,10 +258,12 @@ def create_app(server: Server) -> FastAPI:
         body = await parse(request, TokenizeRequest)
         engine, tok = srv.ready()
         srv.check_text(engine, len(body.content), "content")
-        ids = await offload.run(tok.encode, body.content)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, await offload.run(tok.pieces, ids))]}
-        return {"tokens": ids}
+
+        def tokens() -> bytes:   # serialized off the loop too: a long text's pieces are megabytes of JSON
+            ids = tok.encode(body.content)
+            out = [{"id": i, "piece": p} for i, p in zip(ids, tok.pieces(ids))] if body.with_pieces else ids
+            return ('{"tokens": ' + offload.json_list(out) + "}").encode()
+        return Response(await offload.run(tokens), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

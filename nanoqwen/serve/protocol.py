@@ -1,8 +1,8 @@
 """The HTTP/1.1 connection: uvicorn's h11 protocol with the limits a server open to a network needs and
 uvicorn does not have. A request must arrive whole (head and body) within ``read_timeout`` seconds of the
 connection or of its first byte, so half-sent requests cannot hold connections and file descriptors
-(slowloris); the head is bounded in bytes by h11 as it arrives, before anything is parsed (the header count
-is checked by the app's Guard); an idle kept-alive connection closes after ``KEEP_ALIVE_S`` (limits.py); and h11's own
+(slowloris); a head still incomplete at ``MAX_HEAD_BYTES`` is refused by h11 as it arrives (a complete one
+is no larger than one socket read, and the app's Guard then checks its size and header count); an idle kept-alive connection closes after ``KEEP_ALIVE_S`` (limits.py); and h11's own
 refusals (a malformed or oversized head) are OpenAI error objects rather than uvicorn's plain text."""
 
 from __future__ import annotations
