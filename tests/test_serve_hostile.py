@@ -17,14 +17,11 @@ import time
 import httpx
 import pytest
 
-from _serve_util import fim_model_dir, greedy, server as start_server
-from nanoqwen.backends import open_engine
-from nanoqwen.modelcache import resolve
+from _serve_util import fim_model_dir, greedy, open_local, server as start_server
 from nanoqwen.paths import PACKAGE_DIR
 from nanoqwen.serve import limits, prompts
 from nanoqwen.serve.launch import ServerProcess
 from nanoqwen.testmodels import SMALL_PY_DIR
-from nanoqwen import tokenizer
 
 PROMPT = "def fibonacci(n):"
 MAX_TEXT = 1_500_000   # --max-text-chars: room for a /tokenize that takes seconds
@@ -48,14 +45,7 @@ def server(model):
 
 @pytest.fixture(scope="module")
 def local(model):
-    """(engine, tokenizer, stop ids) of the server's model in this process, for the expected answers."""
-    model_dir, cache = model
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOQWEN_CACHE_DIR", str(cache))
-        path = resolve(model_dir, log=lambda m: None)
-        engine = open_engine("reference", path, 4096, log=lambda m: None)
-    tok = tokenizer.load(path)
-    return engine, tok, prompts.stop_ids(tok)
+    return open_local(*model)
 
 
 def post(server, path, body, timeout=120, **kw):

@@ -19,6 +19,7 @@ from ..runtime.generate import ContextError, check_request
 from ..runtime.sampler import Sampling
 from . import errors, limits, offload, prompts
 from .errors import APIError, parse
+from .fields import response_fields
 from .limits import MAX_HEAD_BYTES, MAX_HEADERS
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .worker import Done, Failed, Job, Token
@@ -127,7 +128,7 @@ class Server:
             if max_tokens is None and n < 1:
                 raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
                                    f"tokens: no room to generate")
-            check_request(engine.dims, prompt, n, engine.context)
+            check_request(engine.dims, prompt, max(n, 1), engine.context)   # 0: the engine still makes one token
         except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
             raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
                            param=param) from None
@@ -380,8 +381,6 @@ def create_app(server: Server) -> FastAPI:
                        + len(body.prompt) + len(body.input_suffix), "input_extra" if body.input_extra else "input_prefix")
         ids = await offload.run(prompts.repo_fim, tok, [(f.filename, f.text) for f in body.input_extra],
                                 body.input_prefix + body.prompt, body.input_suffix)
-        if body.n_predict == 0:
-            raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
         n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
         job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
 
@@ -404,7 +403,7 @@ def create_app(server: Server) -> FastAPI:
             text, _lps, done = await srv.collect(job, request)
             if done is None:
                 return Response(status_code=499)
-            return final_fields(done, text)
+            return response_fields(final_fields(done, text), body.response_fields)
 
         async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
             try:
@@ -414,7 +413,7 @@ def create_app(server: Server) -> FastAPI:
                             if ev.text:
                                 yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
                         else:
-                            yield _sse(final_fields(ev, ev.text))
+                            yield _sse(response_fields(final_fields(ev, ev.text), body.response_fields))
             except APIError as e:
                 yield _sse(e.body())
         return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
