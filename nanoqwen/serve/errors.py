@@ -37,7 +37,11 @@ def validation(exc) -> APIError:
 async def parse(request, model):
     """The JSON body as ``model``, whatever the Content-Type says (curl -d sends form encoding)."""
     from pydantic import ValidationError
-    body = await request.body()
+    from starlette.requests import ClientDisconnect
+    try:
+        body = await request.body()
+    except ClientDisconnect:   # gone, or cut off by the read deadline: nobody reads the answer, no traceback
+        raise APIError("the connection closed before the whole body arrived", code="incomplete_body") from None
     try:
         data = json.loads(body.decode("utf-8"))   # strict: JSON over HTTP is UTF-8 (RFC 8259)
     except ValueError as e:
