@@ -270,10 +270,10 @@ def create_app(server: Server) -> FastAPI:
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest)
         engine, tok = srv.ready()
+        srv.check_text(engine, len(body.tokens), "tokens", "tokens")
         bad = [t for t in body.tokens if not 0 <= t < engine.dims.vocab]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {engine.dims.vocab})", param="tokens")
-        srv.check_text(engine, len(body.tokens), "tokens", "tokens")
         return {"content": await offload.run(tok.decode, body.tokens)}
 
     @app.post("/v1/completions")
