@@ -104,3 +104,4 @@ def test_prefix_cache_keeps_several_sequences(server, local):
     r = post(server, "/infill", body | {"input_prefix": PREFIX + "x"})
     first, again = infill_ids(tok, PREFIX, SUFFIX), infill_ids(tok, PREFIX + "x", SUFFIX)
     assert r["tokens_cached"] == common_prefix(first, again) > len(EXTRA[0]["text"]) // 8
+
