@@ -242,6 +242,12 @@ def test_half_sent_requests_are_dropped(server, data):
     quick(server)
 
 
+def test_idle_kept_alive_connection_is_closed(server):
+    t0 = time.monotonic()
+    got = raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", limits.KEEP_ALIVE_S + 5)
+    assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 >= limits.KEEP_ALIVE_S - 0.5
+
+
 def test_slow_trickle_does_not_renew_the_deadline(server):
     """A byte every quarter second keeps the connection busy, but the request is never whole: it is
     closed at the deadline, counted from the first byte."""
