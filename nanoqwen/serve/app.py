@@ -17,8 +17,10 @@ from starlette.exceptions import HTTPException
 
 from ..runtime.generate import ContextError, check_request
 from ..runtime.sampler import Sampling
-from . import errors, prompts
+from . import errors, limits, offload, prompts
 from .errors import APIError, parse
+from .fields import response_fields
+from .limits import MAX_HEAD_BYTES, MAX_HEADERS
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .worker import Done, Failed, Job, Token
 
@@ -27,7 +29,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Guard:
-    """ASGI middleware: body size limit (413), API key (401), and the request counter by endpoint and
+    """ASGI middleware: header count (431), body size limit (413), API key (401), and the request counter by endpoint and
     status. Pure ASGI rather than BaseHTTPMiddleware, so streamed responses and disconnects pass untouched."""
 
     def __init__(self, app, server):
@@ -55,6 +57,9 @@ class Guard:
                 raise HTTPException(413, _too_large(srv.max_body).message)
             return message
         try:
+            if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEAD_BYTES:
+                raise APIError(f"the request has more than {MAX_HEADERS} headers or {MAX_HEAD_BYTES} bytes of them",
+                               status=431, code="headers_too_large")
             headers = dict(scope["headers"])
             if srv.api_key and path not in OPEN:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -92,9 +97,11 @@ def _usage(prompt_tokens: int, done: Done) -> dict:
 
 
 class Server:
-    def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20):
+    def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20,
+                 max_text: int | None = None):
         self.worker, self.metrics, self.model_id = worker, metrics, model_id
         self.api_key, self.max_body, self.created = api_key, max_body, int(time.time())
+        self.max_text = max_text   # None: limits.CHARS_PER_TOKEN per token of the context
         self.endpoints: set[str] = set()
 
     # ---- request checks ------------------------------------------------------------------------------
@@ -121,11 +128,15 @@ class Server:
             if max_tokens is None and n < 1:
                 raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
                                    f"tokens: no room to generate")
-            check_request(engine.dims, prompt, n, engine.context)
+            check_request(engine.dims, prompt, max(n, 1), engine.context)   # 0: the engine still makes one token
         except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
             raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
                            param=param) from None
         return n
+
+    def check_text(self, engine, size: int, param: str, what: str = "characters") -> None:
+        limit = self.max_text if self.max_text is not None else limits.CHARS_PER_TOKEN * engine.context
+        limits.check_text(size, limit, param, what)
 
     @staticmethod
     def sampling(body) -> Sampling:
@@ -134,25 +145,22 @@ class Server:
     # ---- the engine's events -------------------------------------------------------------------------
 
     def submit(self, request: Request, job: Job) -> Job:
+        limits.check_stops(job.stops)
         job.received = request.state.received
         self.worker.submit(job)
         return job
 
     async def events(self, job: Job, request: Request | None = None):
         """The job's events up to Done; a Failed raises. Leaving early (a disconnect cancels the streaming
-        task; ``request`` is polled when the response is not streamed) cancels the generation."""
+        task; ``request`` is watched when the response is not streamed) cancels the generation, which the
+        engine thread sees at its next token."""
         finished = False
+        watch = asyncio.create_task(_disconnect(request, job)) if request is not None else None
         try:
             while True:
-                if request is None:
-                    ev = await job.events.get()
-                else:
-                    try:
-                        ev = await asyncio.wait_for(job.events.get(), 0.5)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
+                ev = await job.events.get()
+                if ev is None:   # the client left
+                    return
                 if isinstance(ev, Failed):
                     finished = True
                     raise ev.error
@@ -161,6 +169,8 @@ class Server:
                     finished = True
                     return
         finally:
+            if watch is not None:
+                watch.cancel()
             if not finished:
                 self.worker.cancel(job)
 
@@ -192,6 +202,15 @@ class Server:
         except APIError as e:
             yield _sse(e.body())
         yield b"data: [DONE]\n\n"
+
+
+async def _disconnect(request: Request, job: Job) -> None:
+    """Wakes ``events`` with None when the client of a non-streamed request leaves: once the body is read,
+    the server's receive() returns only at the disconnect (polling is_disconnected between events would
+    never run while tokens keep coming)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.events.put_nowait(None)
 
 
 def _completion_logprobs(items: list, offset: int) -> dict:
@@ -238,20 +257,24 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest)
-        _engine, tok = srv.ready()
-        ids = tok.encode(body.content)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]}
-        return {"tokens": ids}
+        engine, tok = srv.ready()
+        srv.check_text(engine, len(body.content), "content")
+
+        def tokens() -> bytes:   # serialized off the loop too: a long text's pieces are megabytes of JSON
+            ids = tok.encode(body.content)
+            out = [{"id": i, "piece": p} for i, p in zip(ids, tok.pieces(ids))] if body.with_pieces else ids
+            return ('{"tokens": ' + offload.json_list(out) + "}").encode()
+        return Response(await offload.run(tokens), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest)
         engine, tok = srv.ready()
+        srv.check_text(engine, len(body.tokens), "tokens", "tokens")
         bad = [t for t in body.tokens if not 0 <= t < engine.dims.vocab]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {engine.dims.vocab})", param="tokens")
-        return {"content": tok.decode(body.tokens)}
+        return {"content": await offload.run(tok.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -263,12 +286,14 @@ def create_app(server: Server) -> FastAPI:
             if len(p) != 1:
                 raise APIError(f"one prompt per request (got {len(p)}): the engine is batch 1", param="prompt")
             p = p[0]
+        if isinstance(p, str):
+            srv.check_text(engine, len(p) + len(body.suffix or ""), "prompt")
         if body.suffix is not None:
             if not isinstance(p, str):
                 raise APIError("suffix (fill in the middle) needs a text prompt", param="suffix")
-            ids = prompts.fim(tok, p, body.suffix)
+            ids = await offload.run(prompts.fim, tok, p, body.suffix)
         else:
-            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            ids = await offload.run(tok.encode, p) if isinstance(p, str) else list(p)
         if body.echo and body.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")
@@ -311,8 +336,9 @@ def create_app(server: Server) -> FastAPI:
         body = await parse(request, ChatRequest)
         srv.check_openai(body)
         engine, tok = srv.ready()
+        srv.check_text(engine, sum(len(m.text()) for m in body.messages), "messages")
         try:
-            ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = await offload.run(tok.encode_chat, [{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
         n = srv.fit(engine, ids, body.max_completion_tokens or body.max_tokens,
@@ -351,10 +377,10 @@ def create_app(server: Server) -> FastAPI:
     async def infill(request: Request):
         body = await parse(request, InfillRequest)
         engine, tok = srv.ready()
-        ids = prompts.repo_fim(tok, [(f.filename, f.text) for f in body.input_extra],
-                               body.input_prefix + body.prompt, body.input_suffix)
-        if body.n_predict == 0:
-            raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
+        srv.check_text(engine, sum(len(f.filename) + len(f.text) for f in body.input_extra) + len(body.input_prefix)
+                       + len(body.prompt) + len(body.input_suffix), "input_extra" if body.input_extra else "input_prefix")
+        ids = await offload.run(prompts.repo_fim, tok, [(f.filename, f.text) for f in body.input_extra],
+                                body.input_prefix + body.prompt, body.input_suffix)
         n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
         job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
 
@@ -377,7 +403,7 @@ def create_app(server: Server) -> FastAPI:
             text, _lps, done = await srv.collect(job, request)
             if done is None:
                 return Response(status_code=499)
-            return final_fields(done, text)
+            return response_fields(final_fields(done, text), body.response_fields)
 
         async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
             try:
@@ -387,7 +413,7 @@ def create_app(server: Server) -> FastAPI:
                             if ev.text:
                                 yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
                         else:
-                            yield _sse(final_fields(ev, ev.text))
+                            yield _sse(response_fields(final_fields(ev, ev.text), body.response_fields))
             except APIError as e:
                 yield _sse(e.body())
         return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)

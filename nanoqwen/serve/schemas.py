@@ -20,7 +20,7 @@ class Sampled(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -38,7 +38,7 @@ class Sampled(BaseModel):
 class CompletionRequest(Sampled):
     prompt: str | list[int] | list[str] | list[list[int]]
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)   # 0: prefill only, kept for prefix reuse (OpenAI allows it)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -50,7 +50,7 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: str
+    role: Literal["system", "user", "assistant", "tool"]   # what the chat template renders
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
@@ -79,12 +79,13 @@ class InfillRequest(BaseModel):
     input_suffix: str = ""
     input_extra: list[ExtraFile] = []
     prompt: str = ""
-    n_predict: int = Field(-1, ge=-1)
+    n_predict: int = Field(-1, ge=-1)   # -1: until the context is full; 0: prefill only (llama.vim's cache warm-up)
     stream: bool = False
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: list[str] = []
+    response_fields: list[str] = []
 
 
 class TokenizeRequest(BaseModel):
