@@ -7,9 +7,11 @@ Hashing multi-GB shards takes seconds, so each file's digest is memoized under (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from .config import Config, cache_root, default
 from .nqfile import VERSION as FORMAT_VERSION
 from .tokenizer import FILES as TOKENIZER_FILES
 from .progress import Progress
+from .safefile import FileError, kind, lookup
 
 class ModelError(NanoqwenError):
     pass
@@ -62,19 +65,30 @@ def resolve(model: str | Path, cfg: Config | None = None, log=print) -> Path:
 
     cfg = cfg or default()
     model = Path(model)
-    if model.is_file():
+    try:
+        mode = lookup(model)
+    except FileError as e:
+        raise ModelError(f"{e} (MODEL is a .nanoqwen file or a HF directory)") from None
+    if stat.S_ISREG(mode):
         return model
-    if not model.is_dir():
-        raise ModelError(f"{model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
-    if not (model / "config.json").exists():
+    if not stat.S_ISDIR(mode):
+        raise ModelError(f"{model}: not a regular file ({kind(mode)}); MODEL is a .nanoqwen file or a HF directory")
+    if not os.path.lexists(model / "config.json"):
         raise ModelError(f"{model}: not a Hugging Face model directory (no config.json)")
     entry = cache_root(cfg.codegen) / "models" / f"{model.resolve().name}-{content_key(model, cfg)[:16]}"
     packed = entry / "model.nanoqwen"
     if not packed.exists():   # the packer writes a temporary and renames: an existing file is complete
         ckpt = HFCheckpoint(model)
+        made = not entry.exists()
         entry.mkdir(parents=True, exist_ok=True)
-        log(f"packing {model} -> {packed}")
-        bar = Progress(total_source_bytes(ckpt, cfg), "pack")
-        pack_hf(ckpt, packed, progress=bar, cfg=cfg)
-        bar.close()
+        try:
+            log(f"packing {model} -> {packed}")
+            bar = Progress(total_source_bytes(ckpt, cfg), "pack")
+            pack_hf(ckpt, packed, progress=bar, cfg=cfg)
+            bar.close()
+        except BaseException:
+            if made:  # a failed (or interrupted) pack leaves no empty entry behind
+                with contextlib.suppress(OSError):
+                    entry.rmdir()
+            raise
     return packed

@@ -276,10 +276,13 @@ def test_overlapping_payloads(good):
 
 
 def test_shape_dims_mismatch(good):
-    # the header claims a bigger intermediate than the tensors were written for
-    _rewrite_header(good, intermediate=384)
+    # the header claims a smaller intermediate than the tensors were written for
+    _rewrite_header(good, intermediate=128)
     _fails(good, r": tensor model\.layers\.0\.mlp\.gate_proj\.weight: shape \[256, 128\] does not match "
-                 r"the dims \(\[384, 128\]\)")
+                 r"the dims \(\[128, 128\]\)")
+    # a bigger one needs more bytes than the file holds: refused before the table is read
+    _rewrite_header(good, intermediate=384)
+    _fails(good, r": dims: the tensors of these dims need [\d,]+ bytes, the data region holds [\d,]+$")
 
 
 def test_bad_dims_in_header(good):

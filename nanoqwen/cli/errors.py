@@ -1,22 +1,53 @@
 """One clear line and a non-zero exit for every error a user can act on; tracebacks only on request
-(NANOQWEN_TRACEBACK=1)."""
+(NANOQWEN_TRACEBACK=1). SIGTERM unwinds like Ctrl-C, so that cleanup (a packer's temporary file, a half-made
+cache entry) runs before the process ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 from .. import NanoqwenError
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread; a BaseException so that only cleanup code (finally, with) sees it."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """Turn SIGTERM into Terminated while inside, unless someone else already handles it (only the main
+    thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run_main(fn, argv=None) -> int:
     try:
-        return fn(argv) or 0
+        with _sigterm_unwinds():
+            return fn(argv) or 0
     except BrokenPipeError:   # `nanoqwen ... | head`: the reader left, nothing to report
         return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     # OSError: a path the user gave is missing, unreadable, a directory, or its disk is full
     except (NanoqwenError, OSError) as e:
         if os.environ.get("NANOQWEN_TRACEBACK"):
