@@ -20,7 +20,7 @@ import numpy as np
 
 from . import NanoqwenError
 from .dims import ModelDims
-from .safefile import lookup, open_regular, parse_json, read_json
+from .safefile import kind, lookup, open_regular, parse_json, read_json
 
 
 class HFError(NanoqwenError):
@@ -113,8 +113,9 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not stat.S_ISDIR(lookup(self.path)):
-            raise HFError(f"{self.path}: not a directory")
+        mode = lookup(self.path)
+        if not stat.S_ISDIR(mode):
+            raise HFError(f"{self.path}: not a directory ({kind(mode)}); a Hugging Face model is a directory")
         self.dims = ModelDims.from_hf_dir(self.path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"

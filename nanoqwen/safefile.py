@@ -18,13 +18,18 @@ class FileError(NanoqwenError):
     pass
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+def _reason(e: OSError) -> str:
+    """strerror in the lower case of the rest of a message: "too many levels of symbolic links"."""
+    return e.strerror[:1].lower() + e.strerror[1:] if e.strerror else str(e)
+
+
 def kind(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    """What a file of this mode is, in words."""
+    return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
 
 
 def open_regular(path: str | Path, optional: bool = False) -> BinaryIO | None:
@@ -36,7 +41,7 @@ def open_regular(path: str | Path, optional: bool = False) -> BinaryIO | None:
     except OSError as e:
         if optional and isinstance(e, FileNotFoundError):
             return None
-        raise FileError(f"{path}: cannot open: {e.strerror}") from None
+        raise FileError(f"{path}: cannot open: {_reason(e)}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -58,7 +63,7 @@ def read_regular(path: str | Path, limit: int, optional: bool = False) -> bytes 
         try:
             return f.read(limit + 1)[:limit]
         except OSError as e:
-            raise FileError(f"{path}: cannot read: {e.strerror}") from None
+            raise FileError(f"{path}: cannot read: {_reason(e)}") from None
 
 
 def check_replaceable(path: str | Path) -> None:
@@ -69,7 +74,7 @@ def check_replaceable(path: str | Path) -> None:
     except FileNotFoundError:
         return  # nothing there, or a dangling symlink: the rename replaces the link itself
     except OSError as e:
-        raise FileError(f"{path}: cannot write: {e.strerror}") from None
+        raise FileError(f"{path}: cannot write: {_reason(e)}") from None
     if not stat.S_ISREG(mode):
         raise FileError(f"{path}: exists and is {kind(mode)}, not a regular file: refusing to replace it")
 
@@ -102,4 +107,4 @@ def lookup(path: str | Path) -> int:
     try:
         return os.stat(path).st_mode
     except OSError as e:
-        raise FileError(f"{path}: {e.strerror}") from None
+        raise FileError(f"{path}: {_reason(e)}") from None
