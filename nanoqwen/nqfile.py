@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,21 +171,21 @@ class Writer:
 
     def __enter__(self) -> "Writer":
         check_replaceable(self.path)
+        # The temporary's name is known before it exists, so that a signal at any point after its creation
+        # (SIGTERM unwinds, cli.errors) finds it to remove.
+        self._tmp = self.path.parent / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            # 0o666 less the umask, as for any new file (mkstemp's 0600 would become the final file's mode)
+            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise NqFileError(f"{self.path}: cannot create a file in {self.path.parent}: {e.strerror}") from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would otherwise become the final file's mode
-        self._tmp = Path(tmp)
-        self._f = os.fdopen(fd, "wb")
         try:
+            self._f = os.fdopen(fd, "wb")
             self._f.seek(self._data_offset)
             for name, data in self.blobs.items():
                 self._write(name, BYTES, np.frombuffer(data, np.uint8), (len(data),))
-        except BaseException as e:  # __exit__ is not called when __enter__ fails: remove the temporary here
-            self.__exit__(type(e), e, None)
+        except BaseException:  # __exit__ is not called when __enter__ fails
+            self._remove_temporary()
             raise
         return self
 
@@ -194,9 +194,12 @@ class Writer:
             if exc_type is None:
                 self._finish()
         finally:
-            if not self._f.closed:
-                self._f.close()
-            self._tmp.unlink(missing_ok=True)
+            self._remove_temporary()
+
+    def _remove_temporary(self) -> None:
+        if self._f is not None and not self._f.closed:
+            self._f.close()
+        self._tmp.unlink(missing_ok=True)
 
     def add_int4(self, name: str, packed: np.ndarray, scales: np.ndarray) -> None:
         """packed uint32 [N, K/8] (quant.pack) and scales fp16 [N, K/group] (quant.quantize) of weight ``name``."""

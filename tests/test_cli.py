@@ -164,12 +164,16 @@ def test_pack_replaces_a_regular_file(tmp_path):
     out.write_bytes(b"old")
     assert main.main(["pack", "--random", "tiny", "-o", str(out)]) == 0
     assert NanoqwenFile(out).synthetic and [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # a new file's mode, not a temporary's 0600
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
 def test_signal_during_pack_leaves_no_temporary(tmp_path, sig, code):
     """A real `nanoqwen pack --random 7b` (4.4 GB, seconds of work) stopped as soon as its temporary file
-    exists: the temporary is removed, nothing is written under the final name, one line says why."""
+    exists: the temporary is removed, nothing is written under the final name, one line says why, and SIGTERM
+    still ends the process by that signal."""
     out = tmp_path / "7b.nanoqwen"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     p = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "pack", "--random", "7b", "--workers", "1",
@@ -188,3 +192,10 @@ def test_signal_during_pack_leaves_no_temporary(tmp_path, sig, code):
     assert p.returncode == code, err
     assert err.splitlines()[-1] == ("terminated" if sig == signal.SIGTERM else "interrupted"), err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_gen_model_that_is_a_fifo_is_one_line(tmp_path, capsys):
+    path = fifo(tmp_path / "m.nanoqwen")
+    assert gen.main(["list", "--model", str(path)]) == 1
+    assert capsys.readouterr().err == f"error: {path}: not a regular file (a FIFO); MODEL is a .nanoqwen file or a " \
+                                      "HF directory\n"

@@ -275,7 +275,8 @@ def test_malformed_safetensors_header(tmp_path, capsys, header, hlen, pattern):
     ([], r"weight_map: missing or not an object"),
     ({"weight_map": ["a"]}, r"weight_map: missing or not an object"),
     ({"weight_map": {"w": 3}}, r"weight_map: tensor w: shard 3 is not a file name"),
-    ({"weight_map": {"w": "../hf2/model.safetensors"}}, r"weight_map: tensor w: shard '\.\./hf2/model\.safetensors' is not a"),
+    ({"weight_map": {"w": "../hf2/model.safetensors"}},
+     r"weight_map: tensor w: shard '\.\./hf2/model\.safetensors' is not a file name"),
 ])
 def test_malformed_index(tmp_path, capsys, index, pattern):
     write_hf_dir(tmp_path / "hf", shards=2)

@@ -1,6 +1,6 @@
 """One clear line and a non-zero exit for every error a user can act on; tracebacks only on request
 (NANOQWEN_TRACEBACK=1). SIGTERM unwinds like Ctrl-C, so that cleanup (a packer's temporary file, a half-made
-cache entry) runs before the process ends."""
+cache entry) runs before the process ends of that signal."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def run_main(fn, argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Terminated:
-        print("terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Terminated:  # cleanup has run: now die of the signal, as a supervisor expects of SIGTERM
+        print("terminated", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        return 128 + signal.SIGTERM  # only if the signal is blocked
     # OSError: a path the user gave is missing, unreadable, a directory, or its disk is full
     except (NanoqwenError, OSError) as e:
         if os.environ.get("NANOQWEN_TRACEBACK"):
