@@ -1,6 +1,6 @@
 """One clear line and a non-zero exit for every error a user can act on; tracebacks only on request
 (NANOQWEN_TRACEBACK=1). SIGTERM unwinds like Ctrl-C, so that cleanup (a packer's temporary file, a half-made
-cache entry) runs before the process ends of that signal."""
+cache entry) runs; the process then still ends by that signal."""
 
 from __future__ import annotations
 
