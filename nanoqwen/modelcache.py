@@ -15,7 +15,7 @@ import stat
 from dataclasses import asdict
 from pathlib import Path
 
-from . import NanoqwenError
+from . import NanoqwenError, interrupt
 from .config import Config, cache_root, default
 from .nqfile import VERSION as FORMAT_VERSION
 from .tokenizer import FILES as TOKENIZER_FILES
@@ -99,6 +99,8 @@ def new_entry(entry: Path):
     interrupted (when it made it and it is empty: the packer's temporary is already gone), so no empty entry
     stays behind."""
     made = not entry.exists()
+    if made:
+        interrupt.register(entry)  # a signal removes it too (after the packer's temporary inside it)
     entry.mkdir(parents=True, exist_ok=True)
     try:
         yield entry
@@ -107,3 +109,5 @@ def new_entry(entry: Path):
             with contextlib.suppress(OSError):
                 entry.rmdir()
         raise
+    finally:
+        interrupt.unregister(entry)

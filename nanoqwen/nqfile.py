@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import NanoqwenError
+from . import NanoqwenError, interrupt
 from .checksum import ParallelCRC
 from .config import Config, default
 from .dims import DimsError, ModelDims
@@ -171,13 +171,14 @@ class Writer:
 
     def __enter__(self) -> "Writer":
         check_replaceable(self.path)
-        # The temporary's name is known before it exists, so that a signal at any point after its creation
-        # (SIGTERM unwinds, cli.errors) finds it to remove.
+        # Named and registered before it exists, so that a signal at any point after its creation removes it
         self._tmp = self.path.parent / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        interrupt.register(self._tmp)
         try:
             # 0o666 less the umask, as for any new file (mkstemp's 0600 would become the final file's mode)
             fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except OSError as e:
+            interrupt.unregister(self._tmp)
             raise NqFileError(f"{self.path}: cannot create a file in {self.path.parent}: {e.strerror}") from None
         try:
             self._f = os.fdopen(fd, "wb")
@@ -200,6 +201,7 @@ class Writer:
         if self._f is not None and not self._f.closed:
             self._f.close()
         self._tmp.unlink(missing_ok=True)
+        interrupt.unregister(self._tmp)
 
     def add_int4(self, name: str, packed: np.ndarray, scales: np.ndarray) -> None:
         """packed uint32 [N, K/8] (quant.pack) and scales fp16 [N, K/group] (quant.quantize) of weight ``name``."""
