@@ -21,9 +21,9 @@ raises k by 2, any rejection lowers it by 1, within [1, max_draft]."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import NanoqwenError
+from ..modelcache import ModelError, is_file
 
 SPECULATE_KINDS = ("lookup", "draft:FILE")
 
@@ -102,8 +102,10 @@ class DraftModel:
 
     def __post_init__(self):
         check_max_draft(self.max_draft)
-        if not Path(self.path).exists():
-            raise SpeculateError(f"--speculate draft:{self.path}: no such file or directory")
+        try:
+            is_file(self.path)
+        except ModelError as e:
+            raise SpeculateError(f"--speculate draft:{e}") from None
 
     def __call__(self, prompt: list[int]) -> "ModelDrafter":
         return ModelDrafter(self, prompt)
