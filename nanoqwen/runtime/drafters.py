@@ -143,10 +143,10 @@ def accept(drafts: list[int], choices: list[int]) -> list[int]:
 class Speculation:
     """One request's verify bookkeeping, the same in both engines: drafts from its drafter (none without
     one: every step is then a plain one), acceptance, the drafter told the outcome, and the counts the
-    engine reports as ``drafted_tokens`` / ``accepted_tokens``."""
+    engine reports as ``drafted_tokens`` / ``accepted_tokens`` (``verifies``: the steps that checked drafts)."""
 
     def __init__(self, drafter=None):
-        self.drafter, self.drafted, self.accepted = drafter, 0, 0
+        self.drafter, self.drafted, self.accepted, self.verifies = drafter, 0, 0, 0
 
     def draft(self, limit: int) -> list[int]:
         return self.drafter.draft(limit) if self.drafter else []
@@ -155,6 +155,7 @@ class Speculation:
         """The verify step's tokens (``accept``); the drafter follows them."""
         block = accept(drafts, choices)
         self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(block) - 1
+        self.verifies += bool(drafts)
         if self.drafter:
             self.drafter.append(block)
             self.drafter.record(len(drafts), len(block) - 1)
