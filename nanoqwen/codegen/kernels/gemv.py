@@ -261,7 +261,10 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
         raise SpecError(f"{spec.family}: multirow_spec derives from an m = 1 spec, got m={spec.m}")
     out = dataclasses.replace(spec, m=m)
     if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
-        if spec.splitk == 1:   # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4
+        # More warps only where the block size is not in a row's arithmetic: the RMSNorm prologue sums each
+        # thread's share of h and then the warps' sums, so its order (and a row's bits) depends on warps. And
+        # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4.
+        if spec.splitk == 1 and not spec.norm:
             out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
         tpw = spec.tiles_per_warp
         while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
