@@ -220,6 +220,7 @@ def test_rope_append(fns, model, pos):
     k_exp[page, :, slot, :] = k_ref
     v_exp[page, :, slot, :] = v_ref
     report(f"{model} pos={pos}: q_rot rel (bit-exact required)", rel(q_rot, q_ref), 0.0)
+    # class (a): elementwise mul/sub/add with explicit _rn rounding (no FMA contraction), numpy's arithmetic
     np.testing.assert_array_equal(q_rot.view(np.uint32), q_ref.view(np.uint32))
     assert np.isfinite(k).all() and np.isfinite(v).all() and v[page, 0, slot, 0] == 65504
     # the written slots match bit for bit and nothing else in the pools changed
