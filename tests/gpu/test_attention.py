@@ -234,7 +234,8 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
     """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
     position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
     written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
-    over page boundaries and lengths; two rows share a position (padding repeats the last real row)."""
+    over page boundaries and lengths; two rows share a position (padding repeats the last real row).
+    Class (a) of docs/architecture.md: the same arithmetic per row by construction, compared bit for bit."""
     d, rng = MODELS[model], fresh_rng()
     specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
     built = codegen.build_many([s for t in specs.values() for s in t])
