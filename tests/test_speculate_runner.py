@@ -7,8 +7,8 @@ closing early keeps what was accepted.
 
 Class (a) of docs/architecture.md ("Exact or within a tolerance"): the fake device computes every row,
 batched or not, as the numpy reference's single decode step (``Reference.extend`` is row invariant), so a
-verify row is bitwise the plain step's and tokens are compared exactly. On the GPU the batched verify
-runs the prefill GEMM instead: tests/gpu/test_speculate.py compares that by the margin rule."""
+verify row is bitwise the plain step's and tokens are compared exactly, as on the GPU, whose multi-row
+step keeps the single-row arithmetic per row (tests/gpu/test_speculate.py)."""
 
 from __future__ import annotations
 

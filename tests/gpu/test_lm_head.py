@@ -382,7 +382,8 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, m):
     """m random rows of h (fresh each run), one of them a copy of another and, for m > 2, one with a planted
     winner tied across two vocab rows: every row's logits are bitwise the m = 1 kernel's on that row alone
     and its token is the m = 1 token (the lowest index on the tie); tokens land in tokens_out[0..m), no
-    state is advanced, and the logits match the reference."""
+    state is advanced, and the logits match the reference. Class (a) against the m = 1 kernel (bits), (b)
+    against the reference (tolerance)."""
     dims = MULTIROW_DIMS[model]
     one_spec, spec = L.model_spec(dims, CFG), L.model_spec(dims, CFG, m=m)
     one, many = LmHead(one_spec, multirow_fns[one_spec]), LmHead(spec, multirow_fns[spec], tokens_cap=16)
