@@ -4,6 +4,21 @@
 from __future__ import annotations
 
 
+class Script:
+    """A drafter setting with runtime/drafters.py's contract (PromptLookup's, DraftModel's): called with a
+    prompt it starts that request's drafter, ``close()`` releases what the setting holds (nothing here; an
+    engine's close calls it). A plain function in its place breaks an engine's close."""
+
+    def __init__(self, expected, mangle, k: int):
+        self.expected, self.mangle, self.k = expected, mangle, k
+
+    def __call__(self, prompt) -> "Scripted":
+        return Scripted(prompt, self.expected, self.mangle, self.k)
+
+    def close(self) -> None:
+        pass
+
+
 class Scripted:
     """Drafts up to ``k`` tokens of ``expected`` (the greedy continuation of ``prompt``) through ``mangle``."""
 

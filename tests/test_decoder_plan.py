@@ -3,7 +3,11 @@ region aligned, nothing overlapping), the device memory table against what the p
 launch sequence against every kernel's signature, with a fake driver whose buffers are address ranges
 (so every pointer argument is checked to land inside the buffer or weight region it names), and the
 Runner's request loop (launch-ahead, sampling feed, early close, prefix reuse through the page table)
-over a fake device whose step is the numpy reference."""
+over a fake device whose step is the numpy reference.
+
+The Runner's tokens are compared exactly with the reference's own generation: class (a) of
+docs/architecture.md, the fake device's steps and prefills are the reference's decode / extend, which
+compute each row with the same arithmetic (a reused prefix holds the cold run's bits)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import functools
 
 import numpy as np
 import pytest
+from _drafting import Script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,7 +152,7 @@ class FakeDriver:
 class FakeWeights:
     def __init__(self, f):
         self.plan = weights_mod.plan(f)
-        self.base = FakeBuf(self.plan.nbytes)
+        self.base = self.buffer = FakeBuf(self.plan.nbytes)
 
     def ptr(self, region):
         return self.base.ptr + self.plan.regions[region].offset
@@ -166,6 +171,9 @@ class FakeKV:
     def load(self, pages, stream):
         assert len(pages) <= self.layout.table_len
         self.pages = list(pages)
+
+    def free(self):
+        pass
 
     def locate(self, pos):
         assert pos // self.layout.page_size < len(self.pages), f"position {pos} is on no loaded page"
@@ -351,7 +359,7 @@ def test_generate_host_logic(nqfile, monkeypatch, sampling, ahead):
         run.cache.clear()
         dev.fed.clear()
         got = list(run.generate(PROMPT, n, sampling))
-        for t in PROMPT:  # token by token, like the fake device: batched prefill rounds differently
+        for t in PROMPT:  # class (a): the fake device's steps are these very decode steps
             logits = check.decode(t)
         want = reference_generation(check, logits, n, sampling)
         check.reset()
@@ -443,6 +451,15 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     assert s.device_bytes["state.tokens_out"] == 400 and s.device_bytes["decode.h"] == 4 * d.hidden
     assert len(list(s.generate([1, 2, 3], 4))) == 4 and s.cached_tokens == 0
     assert len(list(s.generate([1, 2, 3, 4], 2))) == 2 and s.cached_tokens == 3
+    closed = []
+
+    class Setting(Script):   # a drafter setting put in by hand, as tests/gpu/test_speculate.py does
+        def close(self):
+            closed.append(self)
+
+    s.runner.speculate = setting = Setting([], lambda t: t, 1)
+    s.close()
+    assert closed == [setting], "the session's close closes its drafter setting"
     Props.free_mem = sum(s.device_bytes.values()) - 1
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda *a, **k: pytest.fail("built before the check"))
     with pytest.raises(memory_mod.DeviceMemoryError, match="not enough GPU memory"):

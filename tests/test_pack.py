@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
 
 
 def _check_packed(path, weights):
+    """Class (a): the file holds what the same quantizer / fp16 cast computes in this process, bit for bit."""
     f = NanoqwenFile(path)
     f.verify()
     assert f.dims == TINY and not f.synthetic

@@ -235,12 +235,12 @@ def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
         want = reference_generation(check, check.prefill(PROMPT)[-1], n, sampling)
         assert got == want and run.cached_tokens == 0
         assert dev.fed == PROMPT + want[:-1], "the device was fed something other than prompt + generated"
-    # the next turn: prompt + reply + more; only [L, P) is prefilled. Greedy: the reused K/V came from
-    # decode steps, a cold prefill rounds differently, and sampling on this random model's near-uniform
-    # probabilities moves with the last bit
+    # the next turn: prompt + reply + more; only [L, P) is prefilled. Class (a): the reused K/V came from
+    # decode steps and the reference's prefill computes each row as one, so even sampling on this random
+    # model's near-uniform probabilities (which moves with the last bit) gives the cold run's tokens
     q = PROMPT + want + [33, 34, 35]
     dev.fed.clear()
-    got = list(run.generate(q, 6))
+    got = list(run.generate(q, 6, sampling))
     L = len(PROMPT) + len(want) - 1
     assert run.cached_tokens == L and dev.fed[:len(q) - L] == q[L:]
-    assert got == reference_generation(check, check.prefill(q)[-1], 6, Sampling())
+    assert got == reference_generation(check, check.prefill(q)[-1], 6, sampling)

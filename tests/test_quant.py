@@ -73,11 +73,12 @@ def test_quantize_error_at_most_half_scale(seed, shape, scale):
     q, s = quantize(w)
     assert q.dtype == np.int8 and s.dtype == np.float16 and s.shape == (shape[0], shape[1])
     assert q.min() >= -7 and q.max() <= 7  # never -8
-    # the stored scale is fp16(absmax / 7) computed in fp32
+    # the stored scale is fp16(absmax / 7) computed in fp32 (class (a): the quantizer's own arithmetic)
     absmax = np.abs(w.reshape(shape[0], shape[1], G)).max(axis=2)
     np.testing.assert_array_equal(s, (absmax / np.float32(7)).astype(np.float16))
     _check_error_bound(w, pack(q), s)
-    # quantization uses the stored fp16 scale, so dequantization is exactly q * f32(scale)
+    # quantization uses the stored fp16 scale, so dequantization is exactly q * f32(scale) (class (a): each
+    # product of a small integer and an fp16 value is exact in fp32)
     np.testing.assert_array_equal(dequantize(pack(q), s),
                                   q.astype(np.float32) * np.repeat(s.astype(np.float32), G, axis=1))
 

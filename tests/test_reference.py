@@ -107,7 +107,7 @@ def test_f16_saturates():
     np.testing.assert_array_equal(y, expect)
     rng = np.random.default_rng()
     z = rng.standard_normal(1000).astype(np.float32) * 100
-    np.testing.assert_array_equal(f16(z), z.astype(np.float16))  # in range: plain nearest-even
+    np.testing.assert_array_equal(f16(z), z.astype(np.float16))  # in range: plain nearest-even (class (a))
 
 
 def test_rope_tables_and_rotation():
@@ -116,12 +116,12 @@ def test_rope_tables_and_rotation():
     assert cos.shape == sin.shape == (4096, 64) and cos.dtype == np.float32
     pos, i = 4000, np.arange(64)
     angle = pos * d.rope_theta ** (-2.0 * i / 128)
-    np.testing.assert_array_equal(cos[pos], np.cos(angle).astype(np.float32))
+    np.testing.assert_array_equal(cos[pos], np.cos(angle).astype(np.float32))   # class (a): the table's own formula
     rng = np.random.default_rng()
     x = rng.standard_normal((5, 3, 128)).astype(np.float32)
     positions = np.array([0, 1, 17, 300, 4095])
     y = rope(x, cos, sin, positions)
-    np.testing.assert_array_equal(y[0], x[0])
+    np.testing.assert_array_equal(y[0], x[0])   # position 0: cos 1, sin 0, exact
     np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
     # transformers' rotate-half formula with the same (duplicated) tables
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
@@ -161,14 +161,14 @@ def test_file_weights_equal_quantized_dict(models, tmp_path):
     ck = HFCheckpoint(testmodels.make_tiny_model(tmp_path / "t", seed=1))
     w_dict = Fp32Weights.quantized(ck.dims, {n: ck.read(n) for n in w_file.names()})
     for name in w_file.names():
-        np.testing.assert_array_equal(w_file[name], w_dict[name], err_msg=name)
+        np.testing.assert_array_equal(w_file[name], w_dict[name], err_msg=name)   # class (a): one quantizer
 
 
 def test_from_dict_and_errors(models):
     w = models["tiny"][0]
     arrays = w.to_dict()
     ref = Reference(Fp32Weights.from_dict(w.dims, arrays), max_seq=16)
-    np.testing.assert_array_equal(ref.prefill([1, 2, 3]), Reference(w, max_seq=16).prefill([1, 2, 3]))
+    np.testing.assert_array_equal(ref.prefill([1, 2, 3]), Reference(w, max_seq=16).prefill([1, 2, 3]))  # class (a)
     del arrays["model.norm.weight"]
     with pytest.raises(ReferenceModelError, match="model.norm.weight is missing"):
         Fp32Weights.from_dict(w.dims, arrays)
@@ -270,24 +270,30 @@ def test_logits_vs_transformers(models, name, fp16):
     tol = config.default().validation.reference_vs_transformers_rel if fp16 else FP32_REL
     rel_p, peak_p = errors(pre, hpre)
     rel_d, peak_d = errors(dec, hdec)
+    flips = int((pre.argmax(-1) != hpre.argmax(-1)).sum())
     print(f"\n{name} {'fp16' if fp16 else 'fp32'}: prefill({len(prompt)}) rel {rel_p:.2e} peak {peak_p:.2e}; "
-          f"decode(8) rel {rel_d:.2e} peak {peak_d:.2e}; tol {tol:g}")
+          f"decode(8) rel {rel_d:.2e} peak {peak_d:.2e}; tol {tol:g}; top-1 changes {flips}")
+    # class (b) (numpy against torch: other summation orders): the tolerance is the check. Both rows are
+    # known, so a top-1 change is a near tie by the margin rule whenever the tolerance holds; it is not
+    # demanded away, since which way a near tie falls depends on the BLAS and torch build.
     assert rel_p < tol and rel_d < tol
-    assert np.array_equal(pre.argmax(-1), hpre.argmax(-1)) or fp16  # fp32: even near-ties agree
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_decode_equals_prefill(models, fp16):
-    """Step-by-step decode through the KV cache gives the logits of one prefill over the sequence. The two
-    paths sum in different orders; in the fp16 contract mode a sum that lands on the other side of an fp16
-    rounding moves the trained model's logits by up to ~2.3e-4 of their peak (measured), so that mode is
-    held to the contract's tolerance and fp32 mode to summation-order noise."""
+    """Row invariance (DESIGN.md section 12), class (a) of docs/architecture.md: step-by-step decode
+    through the KV cache, one prefill over the sequence and the same sequence extended in uneven chunks
+    give the same logits bit for bit (``extend`` computes each row as one decode step), in both modes."""
     w, _, prompt = models["small-py"]
     ref = Reference(w, fp16=fp16, max_seq=512)
     pre, dec, steps = ref_logits(ref, prompt[:40], 6)
-    full = ref.prefill(prompt[:40] + steps)
-    tol = config.default().validation.reference_vs_transformers_rel if fp16 else FP32_REL
-    np.testing.assert_allclose(dec, full[40:], rtol=0, atol=tol * np.abs(full).max())
+    seq = prompt[:40] + steps
+    full = ref.prefill(seq)
+    np.testing.assert_array_equal(full[:40].view(np.uint32), pre.view(np.uint32))
+    np.testing.assert_array_equal(full[40:].view(np.uint32), dec.view(np.uint32))
+    ref.reset()
+    chunks = np.concatenate([ref.extend(seq[a:b]) for a, b in [(0, 1), (1, 17), (17, 40), (40, 46)]])
+    np.testing.assert_array_equal(chunks.view(np.uint32), full.view(np.uint32))
 
 
 def test_trace_and_kv_cache(models):
@@ -300,19 +306,29 @@ def test_trace_and_kv_cache(models):
     for i, lt in enumerate(trace["layers"]):
         k, v = ref.kv(i)
         assert k.dtype == np.float16 and k.shape == (len(prompt), d.kv_heads, d.head_dim)
-        np.testing.assert_array_equal(k, f16(lt["k_rot"]))
+        np.testing.assert_array_equal(k, f16(lt["k_rot"]))   # class (a): the cache holds the traced rows' cast
         np.testing.assert_array_equal(v, f16(lt["v"]))
         assert lt["xn"].dtype == lt["o16"].dtype == lt["a"].dtype == np.float16
 
 
-def test_prefill_is_fast(models):
+def test_prefill_costs_its_decode_steps(models):
+    """Row invariance makes a prefill of T tokens T decode steps (``Reference.extend``), so it costs what
+    they cost, nothing that grows faster with T (a per-row copy of the cache would). A ratio of two times
+    measured side by side, not a wall-clock bound: the machine may be shared."""
     import time
     w, _, prompt = models["small-py"]
     ref = Reference(w, max_seq=512)
-    tokens = (prompt * 10)[:400]
+    tokens = (prompt * 10)[:200]
+    ref.prefill(tokens[:100])
+    t0 = time.perf_counter()
+    for t in tokens[100:116]:   # steps at the prefill's mean key count
+        ref.decode(t)
+    step = (time.perf_counter() - t0) / 16
     t0 = time.perf_counter()
     ref.prefill(tokens)
-    assert time.perf_counter() - t0 < 1.0
+    took = time.perf_counter() - t0
+    print(f"\nprefill of {len(tokens)} tokens {took:.2f} s, decode step at ~108 keys {1e3 * step:.1f} ms")
+    assert took < 3 * len(tokens) * step
 
 
 # ---------------------------------------------------------------- massive activations

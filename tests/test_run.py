@@ -59,7 +59,7 @@ def test_greedy_is_deterministic_and_matches_reference(capsys, packed):
     want = Reference.from_file(path).generate_greedy(ids, 24, stop_tokens=tok.eos_ids)
     if want[-1] in tok.eos_ids:
         want = want[:-1]
-    assert out1 == PROMPT + tok.decode(want) + "\n"
+    assert out1 == PROMPT + tok.decode(want) + "\n"   # class (a): the reference backend runs this Reference
     s = stats(err1)
     assert s["prompt"] == len(ids) and s["generated"] == len(want)
 

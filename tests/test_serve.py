@@ -1,7 +1,9 @@
 """`nanoqwen serve` end to end: the real server process (reference backend, the small test model with
 the FIM tokens) driven by the official `openai` client and by raw HTTP. Every greedy answer is checked
 against the same backend's engine run in this process, token for token, with exact usage counts.
-tests/gpu/test_serve.py runs this module again against the CUDA backend (the `backend` fixture)."""
+tests/gpu/test_serve.py runs this module again against the CUDA backend (the `backend` fixture).
+On the reference backend every comparison is class (a) of docs/architecture.md: a reused prefix holds the
+cold run's bits, so the server's prefix cache cannot change a token (on CUDA see tests/gpu/test_serve.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 import pytest
-from _drafting import Scripted
+from _drafting import Script
 from _texts import code_text
 
 from nanoqwen.backends import ReferenceEngine, open_engine
@@ -57,7 +57,7 @@ def test_adversarial_drafters_keep_greedy_output(small_py, cases, kind):
     mangle = {"wrong": lambda t: (t + 1) % vocab, "oracle": lambda t: t,
               "random": lambda t: t if rng.random() < 0.5 else rng.randrange(vocab)}[kind]
     for prompt, expected in cases[:40]:
-        e.speculate = lambda p, expected=expected: Scripted(p, expected, mangle, 4)
+        e.speculate = Script(expected, mangle, 4)
         assert list(e.generate(prompt, N_NEW)) == expected
         if kind == "wrong":   # one token per step, each step drafting min(4, the tokens left but one)
             assert (e.drafted_tokens, e.accepted_tokens) == (sum(min(4, N_NEW - 1 - i) for i in range(1, N_NEW)), 0)
@@ -71,7 +71,7 @@ def test_kept_sequence_counts_accepted_positions_only(small_py, cases):
     path, _ = small_py
     prompt, expected = cases[3]
     e = ReferenceEngine(path, context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: (t + 1) % e.dims.vocab, k=3)
+    e.speculate = Script(expected, lambda t: (t + 1) % e.dims.vocab, 3)
     assert list(e.generate(prompt, N_NEW)) == expected
     (kept,) = e.cache.kept.values()
     assert kept.tokens == prompt + expected[:-1]
@@ -88,11 +88,11 @@ def test_logits_rows_match_plain_decoding(small_py, cases):
     prompt, expected = cases[7]
     plain = list(ReferenceEngine(path, context=256).generate(prompt, N_NEW, logits=True))
     e = ReferenceEngine(path, context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
+    e.speculate = Script(expected, lambda t: t, 4)
     spec = list(e.generate(prompt, N_NEW, logits=True))
     assert [t for t, _ in spec] == expected == [t for t, _ in plain]
-    for (_, a), (_, b) in zip(spec, plain):   # a verify row is a decode row up to the batched GEMM's rounding
-        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * np.abs(b).max())
+    for (_, a), (_, b) in zip(spec, plain):   # a verify row is computed as one decode step: the same bits
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     assert spec[0][1] is not spec[1][1]        # copies, safe to keep
 
 
@@ -102,7 +102,7 @@ def test_early_close_keeps_what_was_computed(small_py, cases):
     path, _ = small_py
     prompt, expected = cases[11]
     e = ReferenceEngine(path, context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
+    e.speculate = Script(expected, lambda t: t, 4)
     stream = e.generate(prompt, N_NEW)
     got = [next(stream) for _ in range(3)]
     stream.close()
@@ -113,6 +113,22 @@ def test_early_close_keeps_what_was_computed(small_py, cases):
     e.speculate = PromptLookup()
     assert list(e.generate(follow, 8)) == list(ReferenceEngine(path, context=256).generate(follow, 8))
     assert e.cached_tokens == len(kept.tokens)
+
+
+def test_close_closes_the_setting(small_py, cases):
+    """An engine's close() closes its drafter setting (a draft model's engine), whatever set it."""
+    closed = []
+
+    class Setting(Script):
+        def close(self):
+            closed.append(self)
+
+    prompt, expected = cases[2]
+    e = ReferenceEngine(small_py[0], context=256)
+    e.speculate = setting = Setting(expected, lambda t: t, 4)
+    assert list(e.generate(prompt, N_NEW)) == expected
+    e.close()
+    assert closed == [setting]
 
 
 def test_sampling_switches_drafting_off(small_py, cases):
@@ -137,7 +153,7 @@ def test_shortest_requests(small_py, cases, n):
     """max_new_tokens 1..3: nothing or little left to draft; the output is still plain greedy's."""
     prompt, expected = cases[5]
     e = ReferenceEngine(small_py[0], context=256)
-    e.speculate = lambda p: Scripted(p, expected, lambda t: t, 4)
+    e.speculate = Script(expected, lambda t: t, 4)
     assert list(e.generate(prompt, n)) == expected[:n]
     assert e.drafted_tokens == e.accepted_tokens == max(0, n - 2)
 

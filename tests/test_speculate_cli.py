@@ -29,6 +29,10 @@ def run_cli(capsys, *argv):
     return rc, out, err
 
 
+# Class (a) of docs/architecture.md: the reference backend's verify computes each row as a decode step,
+# so the speculative text is the plain text exactly.
+
+
 def test_run_speculate_prints_the_same_text_and_counts(capsys):
     rc0, plain, err0 = run_cli(capsys)
     rc1, spec, err1 = run_cli(capsys, "--speculate", "lookup", "--draft-tokens", "5")

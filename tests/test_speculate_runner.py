@@ -3,7 +3,12 @@ fake device of tests/test_decoder_plan.py (the numpy reference with paged K/V st
 with the prompt prefilled through the decode step or batched and each verify a multi-row step:
 greedy tokens equal plain decoding's with always-wrong, oracle, random and prompt-lookup drafters, the
 device is fed exactly the verified positions, the kept sequence holds only accepted positions, and
-closing early keeps what was accepted."""
+closing early keeps what was accepted.
+
+Class (a) of docs/architecture.md ("Exact or within a tolerance"): the fake device computes every row,
+batched or not, as the numpy reference's single decode step (``Reference.extend`` is row invariant), so a
+verify row is bitwise the plain step's and tokens are compared exactly, as on the GPU, whose multi-row
+step keeps the single-row arithmetic per row (tests/gpu/test_speculate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import random
 
 import numpy as np
 import pytest
-from _drafting import Scripted
+from _drafting import Script
 from test_decoder_plan import PROMPT, fake_device, nqfile  # noqa: F401 - nqfile is a fixture
 
 from nanoqwen.reference import Reference
@@ -60,7 +65,7 @@ def test_speculative_tokens_are_plain_greedy(nqfile, monkeypatch, batched, kind)
               "random": lambda t: t if rng.random() < 0.6 else rng.randrange(vocab)}.get(kind)
     for p, want in zip(prompts, plain):
         run.speculate = PromptLookup(max_draft=4) if kind == "lookup" else \
-            (lambda q, want=want: Scripted(q, want, mangle, 3))
+            Script(want, mangle, 3)
         run.cache.clear()
         dev.fed.clear()
         assert list(run.generate(p, N_NEW)) == want
@@ -91,7 +96,7 @@ def test_close_mid_block_keeps_accepted_positions(nqfile, monkeypatch):  # noqa:
     run, dev = spec_device(nqfile, monkeypatch, True)
     want = list(run.generate(PROMPT, N_NEW))
     run.cache.clear()
-    run.speculate = lambda q: Scripted(q, want, lambda t: t, 3)
+    run.speculate = Script(want, lambda t: t, 3)
     it = run.generate(PROMPT, N_NEW)
     first = [next(it) for _ in range(3)]   # the prefill's token, then 2 of the first verify's 4
     it.close()
@@ -112,7 +117,7 @@ def test_shortest_requests(nqfile, monkeypatch, n):  # noqa: F811
     run, _ = spec_device(nqfile, monkeypatch, True)
     want = list(run.generate(PROMPT, n))
     run.cache.clear()
-    run.speculate = lambda q: Scripted(q, want, lambda t: t, 3)
+    run.speculate = Script(want, lambda t: t, 3)
     assert list(run.generate(PROMPT, n)) == want
     assert run.spec.drafted == run.spec.accepted == max(0, n - 2)
     (kept,) = run.cache.kept.values()

@@ -1,6 +1,7 @@
 """`nanoqwen serve --speculate lookup`, in-process on the reference engine (small-py): the same text as plain
 greedy, the draft tokens in usage.completion_tokens_details (OpenAI's accepted / rejected prediction
-tokens) and in the /metrics counters; a server that does not speculate leaves the details out."""
+tokens) and in the /metrics counters; a server that does not speculate leaves the details out. The text
+comparison is class (a) of docs/architecture.md (the reference's verify rows are its decode steps)."""
 
 from __future__ import annotations
 

@@ -220,6 +220,7 @@ def test_rope_append(fns, model, pos):
     k_exp[page, :, slot, :] = k_ref
     v_exp[page, :, slot, :] = v_ref
     report(f"{model} pos={pos}: q_rot rel (bit-exact required)", rel(q_rot, q_ref), 0.0)
+    # class (a): elementwise mul/sub/add with explicit _rn rounding (no FMA contraction), numpy's arithmetic
     np.testing.assert_array_equal(q_rot.view(np.uint32), q_ref.view(np.uint32))
     assert np.isfinite(k).all() and np.isfinite(v).all() and v[page, 0, slot, 0] == 65504
     # the written slots match bit for bit and nothing else in the pools changed
@@ -233,7 +234,8 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
     """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
     position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
     written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
-    over page boundaries and lengths; two rows share a position (padding repeats the last real row)."""
+    over page boundaries and lengths; two rows share a position (padding repeats the last real row).
+    Class (a) of docs/architecture.md: the same arithmetic per row by construction, compared bit for bit."""
     d, rng = MODELS[model], fresh_rng()
     specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
     built = codegen.build_many([s for t in specs.values() for s in t])

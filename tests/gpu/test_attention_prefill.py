@@ -165,6 +165,7 @@ def test_prefill_one_chunk(fns, model):
         pr = Prompt(dims, rng, n)
         q_rot, o16 = pr.chunk(fns, rope_spec, attn_spec, 0, n)
         what = f"{model} n={n}"
+        # class (a): rope is elementwise with explicit _rn rounding, numpy's arithmetic; pages are its fp16 cast
         assert np.array_equal(q_rot, pr.q_rot), f"{what}: q_rot differs from the fp32 reference"
         pr.check_pages(n, what)
         _check_o16(o16, pr.ref, REL_TOL, what)

@@ -63,6 +63,7 @@ def _run(dims, spec, fn, bufs, token: int, pdl: bool):
 
 
 def _check(h, ref, what):
+    """Class (a): an fp16 row widened to fp32 is exact, so the kernel's row is numpy's bit for bit."""
     rel = float(np.linalg.norm(h.astype(np.float64) - ref) / max(np.linalg.norm(ref.astype(np.float64)), 1e-30))
     print(f"{what}: ||h - ref|| / ||ref|| = {rel:.1e} (tolerance: exact)")
     np.testing.assert_array_equal(h.view(np.uint32), ref.view(np.uint32), err_msg=what)

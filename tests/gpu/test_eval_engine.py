@@ -44,7 +44,9 @@ def test_cuda_completions_match_reference_and_end_at_stops():
     print(f"eval engine source: {same}/{len(PROMPTS)} completions identical (cuda vs reference); tokens/s "
           f"cuda {sum(c.tokens for c in cuda) / sum(c.seconds for c in cuda):.0f}, "
           f"reference {sum(r.tokens for r in ref) / sum(r.seconds for r in ref):.0f}")
-    assert same >= len(PROMPTS) - 1  # realistic margins: at most one greedy flip in ~200 tokens
+    # class (b) (CUDA kernels vs the numpy reference): texts only, no logits for the margin rule, so a
+    # stated allowance instead: realistic margins give at most one greedy flip in ~200 tokens
+    assert same >= len(PROMPTS) - 1
     assert all(0 < c.tokens <= MAX_TOKENS for c in cuda)
     assert any(c.tokens < MAX_TOKENS and truncate(c.text) != c.text for c in cuda), "no stream ended at a stop"
     assert sum(c.seconds for c in cuda) < sum(r.seconds for r in ref)

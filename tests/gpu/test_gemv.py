@@ -229,8 +229,9 @@ def _check_rows(multirow_fns, model, role, m, massive_rows=()):
 
 @pytest.mark.parametrize("model,role,m", MULTIROW_CASES, ids=[f"{a}-{b}-m{c}" for a, b, c in MULTIROW_CASES])
 def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, role, m):
-    """Each row of the m-row kernel equals the m = 1 kernel run on that row alone, bit for bit, and the
-    numpy reference within the GEMV tolerance."""
+    """Each row of the m-row kernel equals the m = 1 kernel run on that row alone, bit for bit (class (a):
+    the same arithmetic per row by construction), and the numpy reference within the GEMV tolerance
+    (class (b))."""
     _check_rows(multirow_fns, model, role, m)
 
 
@@ -238,5 +239,5 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, role, m):
 @pytest.mark.parametrize("role", gemv.ROLES)
 def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, role, m):
     """A row with massive activations prescales itself alone: the ordinary rows beside it (and the massive
-    row itself) stay bitwise their m = 1 outputs."""
+    row itself) stay bitwise their m = 1 outputs (class (a))."""
     _check_rows(multirow_fns, "7b", role, m, massive_rows=(1,))

@@ -82,7 +82,7 @@ def test_block_vs_int4_simulation(name, sessions, references):
     gpu = run_block(s, tokens)
     for k, v in gpu.items():
         assert np.isfinite(v).all(), f"{name}: non-finite {k} on the GPU"
-    assert np.array_equal(gpu["h_in"], trace["embed"]), "embed must be exact (a widened fp16 row)"
+    assert np.array_equal(gpu["h_in"], trace["embed"]), "embed must be exact (a widened fp16 row)"   # class (a)
     want = {"qkv": np.concatenate([L["q"].reshape(T, -1), L["k"].reshape(T, -1), L["v"].reshape(T, -1)], 1),
             "q_rot": L["q_rot"].reshape(T, -1), "o16": L["o16"], "a16": L["a"]}
     k_gpu, v_gpu = gathered_cache(s, 0, T)

@@ -10,7 +10,15 @@ the trained small-py model (realistic top-1 margins):
 * a reply's tokens are reused by the next turn, after closing a stream early too (only what was
   computed is kept, the steps launched ahead drained);
 * LRU eviction in a pool of two sequences; ``logits=True`` rows agree with the tokens.
-Tolerances as tests/gpu/test_prefill_runtime.py (LOGITS_TOL = 4 x validation.gemv_rel_tol)."""
+
+Exact or within a tolerance (docs/architecture.md): a reused prefix's K/V are the cold run's bits, but the
+tail chunk after it is class (b) until the prefill is chunk invariant (DESIGN.md section 12): it runs
+other GEMM tiles and split-KV attention than the cold run's chunk, so its rows round differently. Reuse
+against cold therefore compares logits rows within LOGITS_TOL (relative, per step, the tolerance of
+tests/gpu/test_prefill_runtime.py) and greedy tokens by the margin rule at the error measured at that
+step (tests/_margins.py ``check_pairs``): they may part only at a near tie. Runs that repeat the same
+computation (a cold run again, the greedy path against the logits=True path over the same reuse, the
+first tokens of a stream closed early) are class (a) and compared exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from _margins import assert_same_pairs, check_pairs
 
 from ._gpu_util import fresh_rng, rel, report
 from .test_prefill_runtime import LOGITS_TOL, PAGES_TOL, corpus, gathered_pages, window  # noqa: F401
@@ -48,6 +58,12 @@ def cold(s, prompt, n=NEW, **kw):
     return out
 
 
+def check_cold(s, got, prompt, what: str, n=NEW):
+    """``got``, the (token, logits) pairs of a greedy request that reused a prefix, against a cold run of
+    ``prompt``: class (b), rows within LOGITS_TOL and tokens by the margin rule (module docstring)."""
+    check_pairs(got, cold(s, prompt, n, logits=True), LOGITS_TOL, what)
+
+
 def prefill_parts(s, prompt, splits):
     """Prefill ``prompt`` in the given consecutive parts on fresh pages: (logits, token, per-layer K/V)."""
     P, sh = len(prompt), s.state
@@ -72,7 +88,10 @@ def test_prefill_in_parts_equals_full_prefill(engine, corpus, splits):
     pe = max(rel(g, w) for got, want in zip(pages, full_pages) for g, w in zip(got, want))
     report(f"prefill split at {splits} vs whole: logits rel error", e, LOGITS_TOL)
     report(f"prefill split at {splits} vs whole: K/V pages rel error", pe, PAGES_TOL)
-    assert e <= LOGITS_TOL and pe <= PAGES_TOL and token == full_token
+    assert e <= LOGITS_TOL and pe <= PAGES_TOL
+    # class (b): the split's tail runs other tiles and attention splits, so its token may differ from the
+    # whole prefill's only at a near tie (the margin rule at the error measured on this row)
+    check_pairs([(token, logits)], [(full_token, full_logits)], LOGITS_TOL, f"prefill split at {splits}")
 
 
 @pytest.mark.parametrize("L", [37, 48, 16, 199], ids=["mid-page", "page-aligned", "one-page", "same-prompt"])
@@ -81,12 +100,14 @@ def test_reuse_gives_cold_tokens(engine, corpus, L):
     prompt = window(corpus, rng, 200)
     other = window(corpus, rng, 60)
     first = prompt[:L] + [t for t in other if t != prompt[min(L, 199)]][:40] if L < 199 else prompt
-    want = cold(engine, prompt)
-    engine.runner.cache.clear()
-    list(engine.generate(first, 4))
-    got = list(engine.generate(prompt, NEW))
-    assert engine.cached_tokens == L
-    assert got == want, f"L={L}: reuse {got} vs cold {want}"
+    got = {}
+    for logits in (False, True):   # the greedy path and the logits=True path over the same reuse
+        engine.runner.cache.clear()
+        list(engine.generate(first, 4))
+        got[logits] = list(engine.generate(prompt, NEW, logits=logits))
+        assert engine.cached_tokens == L
+    assert got[False] == [t for t, _ in got[True]], "class (a): the same kernels over the same reuse"
+    check_cold(engine, got[True], prompt, f"L={L}")
 
 
 def test_next_turn_reuses_the_reply(engine, corpus):
@@ -95,9 +116,9 @@ def test_next_turn_reuses_the_reply(engine, corpus):
     engine.runner.cache.clear()
     reply = list(engine.generate(p, NEW))
     q = p + reply + window(corpus, rng, 30)
-    got = list(engine.generate(q, NEW))
+    got = list(engine.generate(q, NEW, logits=True))
     assert engine.cached_tokens == len(p) + NEW - 1
-    assert got == cold(engine, q)
+    check_cold(engine, got, q, "next turn")
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -113,15 +134,15 @@ def test_close_keeps_only_what_was_computed(engine, corpus, sampled):
     it = engine.generate(p, 40, sampling)
     first = [next(it) for _ in range(3)]
     it.close()
-    assert first == full[:3]
+    assert first == full[:3]   # class (a): the same cold run again
     (kept,) = engine.runner.cache.kept.values()
     n = len(kept.tokens) - len(p)
     assert 2 <= n <= 2 + (0 if sampled else engine.runner.ahead)
     assert kept.tokens == p + full[:n]
     q = p + first + window(corpus, rng, 20)
-    got = list(engine.generate(q, NEW))
+    got = list(engine.generate(q, NEW, logits=True))
     assert engine.cached_tokens == min(common_prefix(kept.tokens, q), len(q) - 1) >= len(p) + 2
-    assert got == cold(engine, q)
+    check_cold(engine, got, q, "after close")
 
 
 def test_lru_eviction(packed, corpus):
@@ -130,19 +151,30 @@ def test_lru_eviction(packed, corpus):
     try:
         rng = fresh_rng()
         prompts = [window(corpus, rng, 200) for _ in range(3)]
-        firsts = [list(s.generate(p, 8)) for p in prompts]
+        firsts = [list(s.generate(p, 8, logits=True)) for p in prompts]
         assert len(s.runner.cache.kept) == 2
-        assert list(s.generate(prompts[2], 8)) == firsts[2] and s.cached_tokens == 199
-        assert list(s.generate(prompts[0], 8)) == firsts[0] and s.cached_tokens == 0, "the oldest was evicted"
-        assert list(s.generate(prompts[2], 8)) == firsts[2] and s.cached_tokens == 199
+        kept = list(s.generate(prompts[2], 8, logits=True))
+        assert s.cached_tokens == 199
+        check_pairs(kept, firsts[2], LOGITS_TOL, "kept")   # class (b): a one-token tail vs the cold prefill
+        evicted = list(s.generate(prompts[0], 8, logits=True))
+        assert s.cached_tokens == 0, "the oldest was evicted"
+        assert_same_pairs(evicted, firsts[0], "cold again")   # class (a): a cold run again
+        again = list(s.generate(prompts[2], 8, logits=True))
+        assert s.cached_tokens == 199
+        assert_same_pairs(again, kept, "kept again")   # class (a): the same prefix bits, the same tail
     finally:
         s.close()
 
 
 def test_logits_pairs(engine, corpus):
+    """logits=True over a reuse of P - 1 positions: the greedy path's tokens over the same reuse (class
+    (a)), and each row's argmax; against the cold run, class (b)."""
     p = window(corpus, fresh_rng(), 80)
-    plain = cold(engine, p)
+    cold(engine, p)
+    plain = list(engine.generate(p, NEW))
+    assert engine.cached_tokens == len(p) - 1
     pairs = list(engine.generate(p, NEW, logits=True))
     assert engine.cached_tokens == len(p) - 1
     assert [t for t, _ in pairs] == plain
     assert all(r.dtype == np.float32 and r.shape == (engine.dims.vocab,) and int(np.argmax(r)) == t for t, r in pairs)
+    check_cold(engine, pairs, p, "logits pairs")

@@ -48,4 +48,4 @@ def test_verified_and_unverified_loads_agree(packed):
             tokens[verify] = list(s.generate(list(range(1, 9)), 16, Sampling()))
         finally:
             s.close()
-    assert tokens[True] == tokens[False] and len(tokens[True]) == 16
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 16   # class (a): the same bytes uploaded
