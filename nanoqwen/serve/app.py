@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..runtime.generate import ContextError, check_request
 from ..runtime.sampler import Sampling
 from . import errors, prompts
+from .context import fit
 from .errors import APIError, parse
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .worker import Done, Failed, Job, Token
@@ -105,27 +105,11 @@ class Server:
         return self.worker.engine, self.worker.tokenizer
 
     def check_openai(self, body: Sampled) -> None:
-        if body.model not in (None, "", self.model_id):
-            raise APIError(f"the model {body.model!r} does not exist (this server serves {self.model_id!r})",
-                           status=404, param="model", code="model_not_found")
+        """``model`` may name anything: the one served model answers (as llama-server does; editors send
+        the name their user typed)."""
         if body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
             raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
                            "request", param="n")
-
-    def fit(self, engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
-        """max_tokens, or all the room left (the last new token is never fed back, so it may take the
-        position after a full KV cache, within the model's positions); a request that cannot fit is a 400."""
-        room = min(engine.context + 1, engine.dims.max_positions) - len(prompt)
-        n = room if max_tokens is None else max_tokens
-        try:
-            if max_tokens is None and n < 1:
-                raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
-                                   f"tokens: no room to generate")
-            check_request(engine.dims, prompt, n, engine.context)
-        except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
-            raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
-                           param=param) from None
-        return n
 
     @staticmethod
     def sampling(body) -> Sampling:
@@ -233,6 +217,7 @@ def create_app(server: Server) -> FastAPI:
         engine = srv.worker.engine
         return {"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": srv.created,
                                             "owned_by": "nanoqwen",
+                                            "context_length": engine.context if engine else None,
                                             "max_model_len": engine.context if engine else None}]}
 
     @app.post("/tokenize")
@@ -272,7 +257,7 @@ def create_app(server: Server) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")
-        n = srv.fit(engine, ids, body.max_tokens, "max_tokens")
+        n = fit(engine, ids, body.max_tokens, "max_tokens")
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
         job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -315,7 +300,7 @@ def create_app(server: Server) -> FastAPI:
             ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
-        n = srv.fit(engine, ids, body.max_completion_tokens or body.max_tokens,
+        n = fit(engine, ids, body.max_completion_tokens or body.max_tokens,
                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
@@ -355,7 +340,7 @@ def create_app(server: Server) -> FastAPI:
                                body.input_prefix + body.prompt, body.input_suffix)
         if body.n_predict == 0:
             raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
-        n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
+        n = fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
         job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
 
         def final_fields(done: Done, content: str) -> dict:

@@ -4,9 +4,9 @@ fields whose meaning the server cannot honour (n > 1, a batch of prompts) are re
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
+
+from .errors import APIError
 
 Stop = str | list[str] | None
 
@@ -44,17 +44,20 @@ class CompletionRequest(Sampled):
     best_of: int | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    type: str
+    text: str = ""
 
 
 class Message(BaseModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
+            if other := next((p.type for p in self.content if p.type != "text"), None):
+                raise APIError(f"this model takes text only: a message has a {other!r} content part",
+                               param="messages", code="unsupported_content")
             return "".join(p.text for p in self.content)
         return self.content or ""
 
