@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException
 
 from ..runtime.sampler import Sampling
 from . import errors, prompts
-from .context import fit
+from .context import fit, requested
 from .errors import APIError, parse
+from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .worker import Done, Failed, Job, Token
 
@@ -111,9 +112,8 @@ class Server:
             raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
                            "request", param="n")
 
-    @staticmethod
-    def sampling(body) -> Sampling:
-        return Sampling(body.temperature, body.top_p, body.seed)
+    def sampling(self, body) -> Sampling:
+        return sampling(body, self.worker.tokenizer, self.worker.engine.dims.vocab, self.worker.stop_ids)
 
     # ---- the engine's events -------------------------------------------------------------------------
 
@@ -257,7 +257,7 @@ def create_app(server: Server) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")
-        n = fit(engine, ids, body.max_tokens, "max_tokens")
+        n = fit(engine, ids, *requested(body, "max_tokens", "n_predict"))
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
         job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -300,8 +300,7 @@ def create_app(server: Server) -> FastAPI:
             ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
-        n = fit(engine, ids, body.max_completion_tokens or body.max_tokens,
-                    "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -341,7 +340,7 @@ def create_app(server: Server) -> FastAPI:
         if body.n_predict == 0:
             raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
         n = fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
-        job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stop))
 
         def final_fields(done: Done, content: str) -> dict:
             prompt_n = len(ids) - done.cached_tokens

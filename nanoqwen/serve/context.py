@@ -28,3 +28,12 @@ def fit(engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
         raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
                        param=param) from None
     return n
+
+
+def requested(body, *names: str) -> tuple[int | None, str]:
+    """(the length the client asked for, the field that said it): the first of ``names`` it set (a
+    negative n_predict: all the room), else the first one's default."""
+    for name in names:
+        if name in body.model_fields_set and (v := getattr(body, name)) is not None:
+            return (None if v < 0 else v), name
+    return getattr(body, names[0]), names[0]

@@ -1,5 +1,5 @@
 """Request bodies, with OpenAI's field names (and llama-server's for /infill, /tokenize, /detokenize).
-Fields a client may send but that change nothing here (user, penalties, cache_prompt, ...) are ignored;
+Fields a client may send but that change nothing here (user, cache_prompt, ...) are ignored;
 fields whose meaning the server cannot honour (n > 1, a batch of prompts) are refused by the routes."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from .errors import APIError
+from .sampling import SamplingFields
 
 Stop = str | list[str] | None
 
@@ -15,7 +16,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Sampled(BaseModel):
+class Sampled(SamplingFields):
     """The sampling fields shared by the OpenAI endpoints (OpenAI's defaults)."""
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -25,6 +26,7 @@ class Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    n_predict: int | None = Field(None, ge=-1)   # llama-server's max_tokens (-1: all the room left)
 
     @property
     def stops(self) -> list[str]:
@@ -75,7 +77,7 @@ class ExtraFile(BaseModel):
     text: str
 
 
-class InfillRequest(BaseModel):
+class InfillRequest(SamplingFields):
     """llama-server's /infill (what llama.vim and llama.vscode send). Greedy unless told otherwise: the
     same buffer gives the same completion."""
     input_prefix: str = ""
