@@ -21,6 +21,7 @@ from .context import fit, requested
 from .errors import APIError, parse
 from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
+from .tools import ToolUse, template_messages
 from .worker import Done, Failed, Job, Token
 
 OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
@@ -160,8 +161,9 @@ class Server:
         return "".join(text), logprobs, done
 
     async def stream(self, job: Job, first: bytes, chunk, final):
-        """SSE: ``first`` (maybe empty), ``chunk(event)`` per token with text or logprobs, ``final(done)``
-        (a list of objects), then ``data: [DONE]``. An engine error after the 200 goes in-band."""
+        """SSE: ``first`` (maybe empty), ``chunk(text, logprobs)`` per token with text or logprobs (an
+        object or a list of them), ``final(done)`` (a list of objects), then ``data: [DONE]``. An engine
+        error after the 200 goes in-band."""
         if first:
             yield first
         try:
@@ -169,7 +171,9 @@ class Server:
                 async for ev in events:
                     if isinstance(ev, Token):
                         if ev.text or ev.logprobs:
-                            yield _sse(chunk(ev.text, ev.logprobs))
+                            out = chunk(ev.text, ev.logprobs)   # an object, or a list of them (maybe none)
+                            for obj in out if isinstance(out, list) else [out]:
+                                yield _sse(obj)
                     else:
                         for obj in final(ev):
                             yield _sse(obj)
@@ -296,8 +300,10 @@ def create_app(server: Server) -> FastAPI:
         body = await parse(request, ChatRequest)
         srv.check_openai(body)
         engine, tok = srv.ready()
+        tools = ToolUse(body.tools, body.tool_choice, body.parallel_tool_calls, tok.chat_template)
+        messages = template_messages(body.messages)
         try:
-            ids = tok.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = tok.encode_chat(messages, **tools.template_kwargs())
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
         n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))
@@ -313,17 +319,27 @@ def create_app(server: Server) -> FastAPI:
             text, lps, done = await srv.collect(job, request)
             if done is None:
                 return Response(status_code=499)
-            return obj("chat.completion", {"message": {"role": "assistant", "content": text},
+            content, calls = tools.parse(text)
+            return obj("chat.completion", {"message": {"role": "assistant", "content": content} |
+                                                      ({"tool_calls": calls} if calls else {}),
                                            "logprobs": _chat_logprobs(lps) if body.logprobs else None,
-                                           "finish_reason": done.finish_reason}) | {"usage": _usage(len(ids), done)}
+                                           "finish_reason": "tool_calls" if calls else done.finish_reason}) | \
+                {"usage": _usage(len(ids), done)}
+
+        calls = tools.stream() if tools.active else None   # tool-call blocks come out as delta.tool_calls
 
         def chunk(text, lp):
-            return obj("chat.completion.chunk", {"delta": {"content": text},
-                                                 "logprobs": _chat_logprobs([lp]) if lp else None})
+            lps = {"logprobs": _chat_logprobs([lp]) if lp else None}
+            if calls is None:
+                return obj("chat.completion.chunk", {"delta": {"content": text}} | lps)
+            deltas = calls.push(text) or ([{}] if lp else [])
+            return [obj("chat.completion.chunk", {"delta": d} | (lps if i == 0 else {})) for i, d in enumerate(deltas)]
 
         def final(done):
-            out = ([chunk(done.text, None)] if done.text else []) + \
-                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": done.finish_reason})]
+            tail = calls.push(done.text) + calls.flush() if calls else [{"content": done.text}] if done.text else []
+            finish = "tool_calls" if calls and calls.calls else done.finish_reason
+            out = [obj("chat.completion.chunk", {"delta": d}) for d in tail] + \
+                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": finish})]
             if body.include_usage:
                 out.append({**obj("chat.completion.chunk", {}), "choices": [], "usage": _usage(len(ids), done)})
             return out

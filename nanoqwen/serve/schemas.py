@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from .errors import APIError
 from .sampling import SamplingFields
+from .tools import Tool
 
 Stop = str | list[str] | None
 
@@ -54,6 +55,9 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None   # an assistant turn's calls (serve/tools.py)
+    tool_call_id: str | None = None        # a tool turn's answer to one of them
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -70,6 +74,9 @@ class ChatRequest(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ExtraFile(BaseModel):
