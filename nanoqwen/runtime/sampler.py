@@ -6,7 +6,7 @@ cheap next to a decode step, and numpy's seeded generator makes a seed reproduci
 repetition / presence / frequency penalties and the truncations (top-k, top-p, min-p, llama.cpp's infill
 step), applied in llama.cpp's way when a request names its ``samplers`` chain.
 
-Per step: logit bias, then the steps of ``order`` (default: penalties, temperature, top_k, top_p, min_p,
+Per step: logit bias, a grammar's mask (structured output), then the steps of ``order`` (default: penalties, temperature, top_k, top_p, min_p,
 so truncation sees the temperature-scaled distribution, as in vLLM), then argmax or a draw. With an
 explicit ``order`` (llama-server's ``samplers``) only the named steps run and the token is always drawn;
 a missing "temperature" step draws at temperature 1 and a temperature of 0 keeps only the top token,
@@ -52,6 +52,9 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), before any step
     order: tuple[str, ...] | None = None   # llama.cpp's sampler chain; None = DEFAULT_ORDER, greedy at T = 0
     vocab: Vocab | None = field(default=None, compare=False)   # for the infill step
+    # a grammar: ``start()`` -> a matcher with ``mask(logits)`` (cut what may not come next, in place)
+    # and ``accept(token)``, one per request (serve/grammar.py)
+    constraint: object | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -76,7 +79,8 @@ class Sampling:
     def reshapes(self) -> bool:
         """Whether anything changes the logits before the choice (so the device argmax would be wrong)."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0 or (self.order is not None and "infill" in self.order)
+            or self.repetition_penalty != 1.0 or (self.order is not None and "infill" in self.order) \
+            or self.constraint is not None
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +97,7 @@ class HostSampler:
         self.rng = np.random.default_rng(sampling.seed)
         self.seen = collections.deque(prompt, maxlen=s.penalty_window if s.penalty_window >= 0 else None)
         self.counts: collections.Counter = collections.Counter()   # generated tokens
+        self.matcher = s.constraint.start() if s.constraint is not None else None
 
     def __call__(self, logits: np.ndarray) -> int:
         s = self.sampling
@@ -101,6 +106,8 @@ class HostSampler:
         z = np.array(logits, dtype=np.float64)
         for tok, bias in s.logit_bias:
             z[tok] += bias
+        if self.matcher is not None:
+            self.matcher.mask(z)
         for step in s.order or DEFAULT_ORDER:
             z = getattr(self, "_" + step)(z)
         if s.order is None and s.temperature == 0.0:
@@ -110,6 +117,8 @@ class HostSampler:
             tok = int(self.rng.choice(p.size, p=p))
         self.seen.append(tok)
         self.counts[tok] += 1
+        if self.matcher is not None:
+            self.matcher.accept(tok)
         return tok
 
     # ---- the steps: logits in, logits out (-inf = cut) ---------------------------------------------------

@@ -19,6 +19,7 @@ from ..runtime.sampler import Sampling
 from . import errors, prompts
 from .context import fit, requested
 from .errors import APIError, parse
+from .grammar import Grammars
 from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
 from .tools import ToolUse, template_messages
@@ -98,6 +99,7 @@ class Server:
         self.worker, self.metrics, self.model_id = worker, metrics, model_id
         self.api_key, self.max_body, self.created = api_key, max_body, int(time.time())
         self.endpoints: set[str] = set()
+        self.grammars: Grammars | None = None   # structured output, made on first use
 
     # ---- request checks ------------------------------------------------------------------------------
 
@@ -113,8 +115,15 @@ class Server:
             raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
                            "request", param="n")
 
-    def sampling(self, body) -> Sampling:
-        return sampling(body, self.worker.tokenizer, self.worker.engine.dims.vocab, self.worker.stop_ids)
+    def grammar_engine(self) -> Grammars:
+        w = self.worker
+        if self.grammars is None:
+            self.grammars = Grammars(w.tokenizer, w.engine.dims.vocab, w.stop_ids)
+        return self.grammars
+
+    def sampling(self, body, forced=None) -> Sampling:
+        w = self.worker
+        return sampling(body, w.tokenizer, w.engine.dims.vocab, w.stop_ids, self.grammar_engine(), forced)
 
     # ---- the engine's events -------------------------------------------------------------------------
 
@@ -308,7 +317,8 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
         n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
+        forced = tools.constraint(srv.grammar_engine())
+        job = srv.submit(request, Job(ids, n, srv.sampling(body, forced), body.stops, top))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def obj(kind, choice):

@@ -25,6 +25,10 @@ class SamplingFields(BaseModel):
     repeat_last_n: int = Field(-1, ge=-1)   # the tokens repetition_penalty looks back on: -1 = all, 0 = none
     logit_bias: LogitBias | None = None
     samplers: list[str] | None = None       # llama-server's sampler chain, in order
+    # grammars (serve/grammar.py): OpenAI's response_format, llama-server's json_schema and GBNF grammar
+    response_format: dict | None = None
+    json_schema: dict | None = None
+    grammar: str | None = None
 
 
 def _bias(field: LogitBias | None, tok, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -47,9 +51,9 @@ def _bias(field: LogitBias | None, tok, vocab: int) -> tuple[tuple[int, float], 
     return tuple(out)
 
 
-def sampling(body, tok, vocab: int, eog: frozenset[int]) -> Sampling:
+def sampling(body, tok, vocab: int, eog: frozenset[int], grammars, forced=None) -> Sampling:
     """``body`` has temperature, top_p, seed and the SamplingFields; ``eog`` are the ids that end a
-    generation (the infill step's)."""
+    generation (the infill step's); ``grammars`` makes the request's grammar, ``forced`` a tool call's."""
     penalties = [f for f in ("repetition_penalty", "repeat_penalty") if getattr(body, f) is not None]
     if len(penalties) == 2 and body.repetition_penalty != body.repeat_penalty:
         raise APIError("repetition_penalty and repeat_penalty are two names of one field: send one",
@@ -61,7 +65,8 @@ def sampling(body, tok, vocab: int, eog: frozenset[int]) -> Sampling:
                         penalty_window=body.repeat_last_n, logit_bias=_bias(body.logit_bias, tok, vocab),
                         order=tuple(body.samplers) if body.samplers is not None else None,
                         vocab=Vocab(lambda i: tok.decode([i]), eog) if body.samplers and "infill" in body.samplers
-                        else None)
+                        else None,
+                        constraint=grammars.for_request(body, forced))
     except SamplingError as e:   # the sampler's words are the CLI's: name the request's field
         msg = str(e).replace("--top-p", "top_p").replace("--", "")
         raise APIError(msg, param=msg.split()[0].rstrip(":")) from None

@@ -58,8 +58,6 @@ class ToolUse:
         else:
             raise APIError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
                            f"{{'name': ...}}}}, got {tool_choice!r}", param="tool_choice")
-        if self.mode == "required":
-            raise APIError("tool_choice 'required' and a named function are not supported yet", param="tool_choice")
         if self.mode == "required" and not self.forced:
             raise APIError("tool_choice 'required' needs at least one tool", param="tool_choice")
         if self.mode != "none" and (template is None or "tools" not in template):
@@ -69,6 +67,10 @@ class ToolUse:
     @property
     def active(self) -> bool:
         return self.mode != "none"
+
+    def constraint(self, grammars):
+        """The grammar that forces a call (tool_choice required or named), else None."""
+        return grammars.tool_calls(self.forced, self.parallel) if self.mode == "required" else None
 
     def template_kwargs(self) -> dict:
         return {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.active else {}
