@@ -58,24 +58,26 @@ def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> 
 
 class ScriptedEngine:
     """A stand-in engine that answers every request with ``script`` (token ids), then its last id
-    repeated; it records each request's prompt and sampling. Its logits (when asked for) put 0 on the
+    repeated, ``delay_s`` per token; it records each request's prompt, length and sampling. Its logits (when asked for) put 0 on the
     scripted token and -10 elsewhere."""
     name, cached_tokens, speculate = "scripted stand-in engine", 0, None
 
-    def __init__(self, script: list[int], context: int = 64, vocab: int | None = None):
+    def __init__(self, script: list[int], context: int = 64, vocab: int | None = None, delay_s: float = 0.0):
         import dataclasses
         from nanoqwen.testmodels import tiny_dims
-        self.script, self.context, self.requests = list(script), context, []
+        self.script, self.context, self.requests, self.delay_s = list(script), context, [], delay_s
         dims = tiny_dims()
         self.dims = dataclasses.replace(dims, max_positions=context, vocab=vocab or dims.vocab)
 
     def generate(self, prompt, max_new_tokens, sampling, logits=False):
+        import time
         import numpy as np
         from nanoqwen.runtime.generate import check_request
         check_request(self.dims, prompt, max_new_tokens, self.context)
         self.requests.append((list(prompt), max_new_tokens, sampling))
         for i in range(max_new_tokens):
             tok = self.script[min(i, len(self.script) - 1)]
+            time.sleep(self.delay_s)
             if logits:
                 row = np.full(self.dims.vocab, -10.0, np.float32)
                 row[tok] = 0.0

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
 from contextlib import aclosing
@@ -16,17 +15,17 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..runtime.sampler import Sampling
-from . import errors, prompts
+from . import errors, llama_compat, prompts
 from .context import fit, requested
 from .errors import APIError, parse
 from .grammar import Grammars
 from .sampling import sampling
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
+from .sse import SSE_HEADERS, _sse
 from .tools import ToolUse, template_messages
 from .worker import Done, Failed, Job, Token
 
 OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Guard:
@@ -76,10 +75,6 @@ class Guard:
 
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 def _usage(prompt_tokens: int, done: Done) -> dict:
@@ -357,50 +352,6 @@ def create_app(server: Server) -> FastAPI:
         return StreamingResponse(srv.stream(job, first, chunk, final), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    @app.post("/infill")
-    async def infill(request: Request):
-        body = await parse(request, InfillRequest)
-        engine, tok = srv.ready()
-        ids = prompts.repo_fim(tok, [(f.filename, f.text) for f in body.input_extra],
-                               body.input_prefix + body.prompt, body.input_suffix)
-        if body.n_predict == 0:
-            raise APIError("n_predict must be -1 (until the context is full) or at least 1", param="n_predict")
-        n = fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
-        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stop))
-
-        def final_fields(done: Done, content: str) -> dict:
-            prompt_n = len(ids) - done.cached_tokens
-            gen_n = done.completion_tokens
-            return {"index": 0, "content": content, "stop": True, "model": srv.model_id,
-                    "tokens_predicted": gen_n, "tokens_evaluated": len(ids), "tokens_cached": done.cached_tokens,
-                    "truncated": False, "has_new_line": "\n" in content,
-                    "stop_type": "word" if done.stop_word else ("limit" if done.finish_reason == "length" else "eos"),
-                    "stopping_word": done.stop_word or "",
-                    "timings": {"prompt_n": prompt_n, "prompt_ms": 1e3 * done.prompt_s,
-                                "prompt_per_token_ms": 1e3 * done.prompt_s / max(prompt_n, 1),
-                                "prompt_per_second": prompt_n / done.prompt_s if done.prompt_s else 0.0,
-                                "predicted_n": gen_n, "predicted_ms": 1e3 * done.decode_s,
-                                "predicted_per_token_ms": 1e3 * done.decode_s / max(gen_n - 1, 1),
-                                "predicted_per_second": (gen_n - 1) / done.decode_s if done.decode_s else 0.0}}
-
-        if not body.stream:
-            text, _lps, done = await srv.collect(job, request)
-            if done is None:
-                return Response(status_code=499)
-            return final_fields(done, text)
-
-        async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
-            try:
-                async with aclosing(srv.events(job)) as events:
-                    async for ev in events:
-                        if isinstance(ev, Token):
-                            if ev.text:
-                                yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
-                        else:
-                            yield _sse(final_fields(ev, ev.text))
-            except APIError as e:
-                yield _sse(e.body())
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-
+    llama_compat.install(app, srv)
     srv.endpoints = {r.path for r in app.routes}
     return app

@@ -1,4 +1,5 @@
-"""Request bodies, with OpenAI's field names (and llama-server's for /infill, /tokenize, /detokenize).
+"""Request bodies, with OpenAI's field names (and llama-server's for /tokenize, /detokenize;
+/infill and /completion are serve/llama_compat.py's).
 Fields a client may send but that change nothing here (user, cache_prompt, ...) are ignored;
 fields whose meaning the server cannot honour (n > 1, a batch of prompts) are refused by the routes."""
 
@@ -82,21 +83,6 @@ class ChatRequest(Sampled):
 class ExtraFile(BaseModel):
     filename: str = ""
     text: str
-
-
-class InfillRequest(SamplingFields):
-    """llama-server's /infill (what llama.vim and llama.vscode send). Greedy unless told otherwise: the
-    same buffer gives the same completion."""
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraFile] = []
-    prompt: str = ""
-    n_predict: int = Field(-1, ge=-1)
-    stream: bool = False
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] = []
 
 
 class TokenizeRequest(BaseModel):
