@@ -59,3 +59,14 @@ def test_an_image_part_is_refused(client):
     assert r.status_code == 400 and "this model takes text only" in err["message"] and "image_url" in err["message"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+def test_the_ignored_fields_are_accepted_and_the_unknown_refused(client):
+    from nanoqwen.serve.fields import IGNORED, NEUTRAL
+    body = {"prompt": "x", "max_tokens": 1}
+    for key in IGNORED:
+        assert client.post("/v1/completions", json=body | {key: "anything"}).status_code == 200, key
+    for key, off in NEUTRAL.items():
+        assert client.post("/completion", json={"prompt": "x", "n_predict": 1, key: off}).status_code == 200, key
+    r = client.post("/v1/chat/completions", json={"messages": HI, "logit_bias_typo": {}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias_typo"

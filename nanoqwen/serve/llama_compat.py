@@ -30,6 +30,7 @@ FIM_TOKENS = {"prefix": prompts.FIM_PREFIX, "suffix": prompts.FIM_SUFFIX, "middl
 
 class NativeFields(SamplingFields):
     """The fields /completion and /infill share (llama-server's names; greedy by default)."""
+    model: str | None = None   # any name: the one served model answers
     n_predict: int = Field(-1, ge=-1)   # -1: until the context is full; 0: only cache the prompt
     stream: bool = False
     temperature: float = Field(0.0, ge=0.0, le=2.0)

@@ -5,17 +5,18 @@ argmax. A value the sampler cannot honour is a 400 naming its field."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..runtime.sampler import Sampling, SamplingError, Vocab
 from .errors import APIError
+from .fields import Checked
 
 # llama-server's logit_bias: [[token id or text, bias or false (never)], ...]; OpenAI's: {"id": bias}
 LogitBias = dict[str, float] | list[tuple[int | str, float | bool]]
 NEVER = -1e30   # a bias of false: the token is never chosen
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Checked):
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -23,6 +24,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)   # vLLM's / HF's name
     repeat_penalty: float | None = Field(None, gt=0.0)       # llama-server's name
     repeat_last_n: int = Field(-1, ge=-1)   # the tokens repetition_penalty looks back on: -1 = all, 0 = none
+    penalty_last_n: int | None = Field(None, ge=-1)   # llama-server's other name of repeat_last_n
     logit_bias: LogitBias | None = None
     samplers: list[str] | None = None       # llama-server's sampler chain, in order
     # grammars (serve/grammar.py): OpenAI's response_format, llama-server's json_schema and GBNF grammar
@@ -62,7 +64,7 @@ def sampling(body, tok, vocab: int, eog: frozenset[int], grammars, forced=None) 
         return Sampling(body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                         repetition_penalty=getattr(body, penalties[0]) if penalties else 1.0,
-                        penalty_window=body.repeat_last_n, logit_bias=_bias(body.logit_bias, tok, vocab),
+                        penalty_window=body.repeat_last_n if body.penalty_last_n is None else body.penalty_last_n, logit_bias=_bias(body.logit_bias, tok, vocab),
                         order=tuple(body.samplers) if body.samplers is not None else None,
                         vocab=Vocab(lambda i: tok.decode([i]), eog) if body.samplers and "infill" in body.samplers
                         else None,

@@ -1,7 +1,8 @@
 """Request bodies, with OpenAI's field names (and llama-server's for /tokenize, /detokenize;
 /infill and /completion are serve/llama_compat.py's).
-Fields a client may send but that change nothing here (user, cache_prompt, ...) are ignored;
-fields whose meaning the server cannot honour (n > 1, a batch of prompts) are refused by the routes."""
+Fields that change nothing here (user, cache_prompt, ...) are listed in serve/fields.py and ignored, any
+other unknown field is a 400; values the server cannot honour (n > 1, a batch of prompts) are refused by
+the routes."""
 
 from __future__ import annotations
 
