@@ -112,9 +112,10 @@ class HostSampler:
             z = getattr(self, "_" + step)(z)
         if s.order is None and s.temperature == 0.0:
             tok = int(np.argmax(z))
-        else:
-            p = _softmax(z)
-            tok = int(self.rng.choice(p.size, p=p))
+        else:   # inverse CDF over the tokens left (rng.choice would validate the whole vocabulary each time)
+            cand = np.flatnonzero(z > -np.inf)
+            c = np.cumsum(np.exp(z[cand] - z[cand].max()))
+            tok = int(cand[min(int(np.searchsorted(c, self.rng.random() * c[-1], side="right")), cand.size - 1)])
         self.seen.append(tok)
         self.counts[tok] += 1
         if self.matcher is not None:
@@ -142,16 +143,29 @@ class HostSampler:
     def _top_k(self, z):
         k = self.sampling.top_k
         if 0 < k < z.size:
-            order = np.argsort(-z, kind="stable")
-            z[order[k:]] = -np.inf
+            out = np.full_like(z, -np.inf)
+            keep = np.argpartition(-z, k - 1)[:k]
+            out[keep] = z[keep]
+            return out
         return z
 
     def _top_p(self, z):
-        if self.sampling.top_p < 1.0:
+        top_p = self.sampling.top_p
+        if top_p < 1.0:
             p = _softmax(z)
-            order = np.argsort(-p, kind="stable")
+            n = min(p.size, 256)
+            while True:   # sort only the likeliest n tokens, as many as it takes to reach top_p
+                head = np.sort(np.argpartition(-p, n - 1)[:n]) if n < p.size else np.arange(p.size)
+                head = head[np.argsort(-p[head], kind="stable")]   # ties: the lower id first
+                mass = np.cumsum(p[head])
+                if mass[-1] >= top_p or n == p.size:
+                    break
+                n = min(p.size, 8 * n)
             # keep tokens up to and including the one whose cumulative mass reaches top_p
-            z[order[int(np.searchsorted(np.cumsum(p[order]), self.sampling.top_p)) + 1:]] = -np.inf
+            keep = head[:int(np.searchsorted(mass, top_p)) + 1]
+            out = np.full_like(z, -np.inf)
+            out[keep] = z[keep]
+            return out
         return z
 
     def _min_p(self, z):
