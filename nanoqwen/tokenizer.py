@@ -124,6 +124,10 @@ class Tokenizer:
         """id -> text of every added token marked special (<|im_end|>, <|fim_prefix|>, ...)."""
         return {i: t.content for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
 
+    def to_json(self) -> str:
+        """The tokenizers JSON (what a grammar engine builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

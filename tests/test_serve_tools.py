@@ -130,3 +130,13 @@ def test_streamed_calls_are_delta_tool_calls(sdk, engine, tok):
 def test_bad_tool_choice_is_400(client, choice, needle):
     r = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": choice})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and needle in r.text, r.text
+
+
+def test_whole_and_streamed_answers_agree_on_a_mixed_answer(sdk, engine, tok):
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": oops}\n</tool_call>'
+    answer(engine, tok, CALL + "\n" + bad)
+    m = sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER]).choices[0].message
+    assert [c.function.name for c in m.tool_calls] == ["get_weather"] and m.content == bad
+    chunks = list(sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip() == bad
+    assert sum(len(ch.choices[0].delta.tool_calls or []) for ch in chunks) == 2   # the call's two deltas

@@ -49,7 +49,7 @@ class Grammars:
         with self._lock:
             if self._ll is None:
                 lg = _llguidance("response_format")
-                self._ll = lg.LLTokenizer(self.tokenizer._tok.to_str(), n_vocab=self.vocab, eos_token=self.eos)
+                self._ll = lg.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab, eos_token=self.eos)
             return self._ll
 
     def json_schema(self, schema: dict, param: str) -> "Constraint":

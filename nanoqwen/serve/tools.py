@@ -3,7 +3,8 @@ stored in the .nanoqwen file: Qwen2.5's lists them in the system turn and asks f
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks); earlier assistant ``tool_calls`` and
 ``role: "tool"`` results go back into the history the same way. The answer's blocks become OpenAI
 ``tool_calls`` (arguments as a JSON string, finish_reason "tool_calls"); an answer whose blocks do not
-parse, or name a function the request did not offer, comes back as plain text.
+parse, or name a function the request did not offer, comes back as plain text (the calls that do parse
+stay calls).
 
 tool_choice: "auto" (the default with tools) lets the model choose; "none" leaves the tools out of the
 prompt; "required" and a named function are enforced while decoding by the grammar of serve/grammar.py."""
@@ -11,7 +12,6 @@ prompt; "required" and a named function are enforced while decoding by the gramm
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any, Literal
 
@@ -20,7 +20,6 @@ from pydantic import BaseModel
 from .errors import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
 
 class Function(BaseModel):
@@ -76,16 +75,14 @@ class ToolUse:
         return {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.active else {}
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of a whole answer: the text outside the blocks (None if blank) and the
-        calls; (text, []) when it holds no valid call."""
-        calls, content = [], text
-        if self.active and OPEN in text:
-            blocks = BLOCK.findall(text)
-            parsed = [self._call(b) for b in blocks]
-            rest = BLOCK.sub("", text).strip()
-            if blocks and all(parsed) and OPEN not in rest:
-                calls, content = (parsed if self.parallel else parsed[:1]), rest or None
-        return content, calls
+        """(content, tool_calls) of a whole answer, as its stream would give them: the calls, and the
+        text outside them (blocks that do not parse included; None if there are calls and it is blank)."""
+        if not self.active:
+            return text, []
+        stream = self.stream()
+        deltas = stream.push(text) + stream.flush()
+        content = "".join(d.get("content", "") for d in deltas)
+        return (content.strip() or None, stream.calls) if stream.calls else (content, [])
 
     def _call(self, block: str) -> dict | None:
         try:
@@ -113,10 +110,10 @@ class ToolStream:
     """Streamed text in, OpenAI chat deltas out. Text outside blocks passes as content (holding back a
     tail that may begin ``<tool_call>``); a block is held until its ``</tool_call>``, then comes out as
     two deltas of ``tool_calls``: the call's index, id and name, then its arguments. An unparsable block
-    comes out as content. ``calls`` counts the calls sent; ``flush()`` at the end."""
+    comes out as content. ``calls`` holds the calls sent; ``flush()`` at the end."""
 
     def __init__(self, tools: ToolUse):
-        self.tools, self.buf, self.calls = tools, "", 0
+        self.tools, self.buf, self.calls = tools, "", []
 
     def push(self, text: str) -> list[dict]:
         self.buf += text
@@ -139,11 +136,11 @@ class ToolStream:
             if call is None:
                 self._content(out, block)
             elif self.tools.parallel or not self.calls:   # without parallel calls, the first one only
-                fn, i = call["function"], self.calls
+                fn, i = call["function"], len(self.calls)
                 out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                             "function": {"name": fn["name"], "arguments": ""}}]})
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
-                self.calls += 1
+                self.calls.append(call)
         return out
 
     def _content(self, out: list, text: str) -> None:
