@@ -146,3 +146,25 @@ def test_without_a_grammar_the_greedy_path_stays():
         c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                                              "temperature": 0} | fields)
         assert engine.requests[-1][2].greedy is greedy, fields
+
+
+def test_a_grammar_with_no_way_on_fails_the_request_not_the_engine():
+    """A matcher in an error state (a refused token here; llguidance's parser limits in practice) is a
+    request error (ContextError, a 400 in the worker), never an engine fault."""
+    import numpy as np
+    from nanoqwen.runtime.generate import ContextError
+    from nanoqwen.serve.grammar import Grammars
+    tok = tokenizer.Tokenizer(SMALL_PY_DIR)
+    grammars = Grammars(tok, 2048, frozenset({2}))
+    m = grammars.gbnf('root ::= "a"', "grammar").start()
+    z = np.zeros(2048)
+    m.mask(z)
+    m.accept(int(np.argmax(z)))
+    z = np.zeros(2048)
+    m.mask(z)
+    assert np.flatnonzero(np.isfinite(z)).tolist() == [2]
+    m = grammars.gbnf('root ::= "a"', "grammar").start()
+    with pytest.raises(ContextError, match="refused token"):
+        m.accept(tok.encode("b")[0])
+    with pytest.raises(ContextError, match="the grammar failed"):
+        m.mask(np.zeros(2048))

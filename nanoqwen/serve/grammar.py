@@ -21,6 +21,7 @@ import threading
 
 import numpy as np
 
+from ..runtime.generate import ContextError
 from .errors import APIError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -137,11 +138,17 @@ class Matcher:
     def __init__(self, grammars: Grammars, matcher):
         self.vocab, self.m = grammars.vocab, matcher
 
+    # A matcher in an error state (llguidance's parser limits, say) would allow only end-of-generation and
+    # end the answer early in silence: it fails the request instead, with ContextError (a 400 from the
+    # worker, which leaves the engine serving; any other exception is an engine fault).
+
     def mask(self, z: np.ndarray) -> None:
         """Cut (-inf) every token the grammar does not allow next."""
         bits = np.unpackbits(np.frombuffer(self.m.compute_bitmask(), np.uint8), bitorder="little")[:z.size]
+        if self.m.is_error():
+            raise ContextError(f"the grammar failed: {self.m.get_error().splitlines()[0]}")
         z[~bits.astype(bool)] = -np.inf
 
     def accept(self, token: int) -> None:
         if not self.m.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.m.get_error()}")
+            raise ContextError(f"the grammar refused token {token}: {self.m.get_error().splitlines()[0]}")
