@@ -58,8 +58,8 @@ def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> 
 
 class ScriptedEngine:
     """A stand-in engine that answers every request with ``script`` (token ids), then its last id
-    repeated, ``delay_s`` per token; it records each request's prompt, length and sampling. Its logits (when asked for) put 0 on the
-    scripted token and -10 elsewhere."""
+    repeated, ``delay_s`` per token; it records each request's prompt, length and sampling. Its logits
+    (when asked for) put 0 on the scripted token and -10 elsewhere."""
     name, cached_tokens, speculate = "scripted stand-in engine", 0, None
 
     def __init__(self, script: list[int], context: int = 64, vocab: int | None = None, delay_s: float = 0.0):

@@ -39,7 +39,8 @@ def post(server, path, body):
 
 
 def events(r) -> list[dict]:
-    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def test_models_and_props_name_the_model_and_context(server):

@@ -57,7 +57,8 @@ def test_an_image_part_is_refused(client):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
     err = r.json()["error"]
     assert r.status_code == 400 and "this model takes text only" in err["message"] and "image_url" in err["message"]
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
+    r = client.post("/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 1})
     assert r.status_code == 200, r.text
 
 

@@ -127,5 +127,6 @@ def test_only_shaping_fields_leave_the_device_argmax_path():
     for body, greedy in (({}, True), ({"top_k": 40, "top_p": 0.5}, True), ({"presence_penalty": 0.5}, False),
                          ({"logit_bias": {"5": 1}}, False), ({"temperature": 0.7}, False),
                          ({"samplers": ["top_k"]}, False)):
-        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0} | body).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0} | body)
+        assert r.status_code == 200, r.text
         assert engine.requests[-1][2].greedy is greedy, body

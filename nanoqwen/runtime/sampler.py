@@ -6,8 +6,9 @@ cheap next to a decode step, and numpy's seeded generator makes a seed reproduci
 repetition / presence / frequency penalties and the truncations (top-k, top-p, min-p, llama.cpp's infill
 step), applied in llama.cpp's way when a request names its ``samplers`` chain.
 
-Per step: logit bias, a grammar's mask (structured output), then the steps of ``order`` (default: penalties, temperature, top_k, top_p, min_p,
-so truncation sees the temperature-scaled distribution, as in vLLM), then argmax or a draw. With an
+Per step: logit bias, a grammar's mask (structured output), then the steps of ``order`` (default:
+penalties, temperature, top_k, top_p, min_p, so truncation sees the temperature-scaled distribution, as
+in vLLM), then argmax or a draw. With an
 explicit ``order`` (llama-server's ``samplers``) only the named steps run and the token is always drawn;
 a missing "temperature" step draws at temperature 1 and a temperature of 0 keeps only the top token,
 as llama.cpp's chain does."""

@@ -21,7 +21,7 @@ from .errors import APIError, parse
 from .grammar import Grammars
 from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
-from .sse import SSE_HEADERS, _sse
+from .sse import SSE_HEADERS, frame as _sse
 from .tools import ToolUse, template_messages
 from .worker import Done, Failed, Job, Token
 
@@ -338,7 +338,8 @@ def create_app(server: Server) -> FastAPI:
             if calls is None:
                 return obj("chat.completion.chunk", {"delta": {"content": text}} | lps)
             deltas = calls.push(text) or ([{}] if lp else [])
-            return [obj("chat.completion.chunk", {"delta": d} | (lps if i == 0 else {})) for i, d in enumerate(deltas)]
+            return [obj("chat.completion.chunk", {"delta": d} | (lps if i == 0 else {}))
+                    for i, d in enumerate(deltas)]
 
         def final(done):
             tail = calls.push(done.text) + calls.flush() if calls else [{"content": done.text}] if done.text else []

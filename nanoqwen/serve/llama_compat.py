@@ -20,7 +20,7 @@ from .cutoffs import Cutoff
 from .errors import APIError, parse
 from .sampling import SamplingFields
 from .schemas import ExtraFile, Message
-from .sse import SSE_HEADERS, _sse
+from .sse import SSE_HEADERS, frame
 from .tools import Tool, ToolUse, template_messages
 from .worker import Done, Job, Token
 
@@ -154,11 +154,11 @@ async def run(srv, request: Request, body: NativeFields, engine, tok, ids: list[
                             obj = {"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]}
                             if ev.logprobs:
                                 obj["completion_probabilities"] = [_probabilities(tok, ev.logprobs)]
-                            yield _sse(obj)
+                            yield frame(obj)
                     else:
-                        yield _sse(final(ev, ev.text, []))
+                        yield frame(final(ev, ev.text, []))
         except APIError as e:
-            yield _sse(e.body())
+            yield frame(e.body())
     return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 

@@ -60,14 +60,15 @@ def sampling(body, tok, vocab: int, eog: frozenset[int], grammars, forced=None) 
     if len(penalties) == 2 and body.repetition_penalty != body.repeat_penalty:
         raise APIError("repetition_penalty and repeat_penalty are two names of one field: send one",
                        param="repeat_penalty")
+    window = body.repeat_last_n if body.penalty_last_n is None else body.penalty_last_n
+    infill = body.samplers is not None and "infill" in body.samplers
     try:
         return Sampling(body.temperature, body.top_p, body.seed, top_k=body.top_k, min_p=body.min_p,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                         repetition_penalty=getattr(body, penalties[0]) if penalties else 1.0,
-                        penalty_window=body.repeat_last_n if body.penalty_last_n is None else body.penalty_last_n, logit_bias=_bias(body.logit_bias, tok, vocab),
+                        penalty_window=window, logit_bias=_bias(body.logit_bias, tok, vocab),
                         order=tuple(body.samplers) if body.samplers is not None else None,
-                        vocab=Vocab(lambda i: tok.decode([i]), eog) if body.samplers and "infill" in body.samplers
-                        else None,
+                        vocab=Vocab(lambda i: tok.decode([i]), eog) if infill else None,
                         constraint=grammars.for_request(body, forced))
     except SamplingError as e:   # the sampler's words are the CLI's: name the request's field
         msg = str(e).replace("--top-p", "top_p").replace("--", "")

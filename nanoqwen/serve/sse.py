@@ -7,5 +7,6 @@ import json
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _sse(obj) -> bytes:
+def frame(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
