@@ -83,7 +83,7 @@ def generation_settings(srv, engine, body: NativeFields | None = None) -> dict:
             "samplers": b.samplers, "stream": b.stream}
 
 
-def _probabilities(tok, item) -> dict:
+def _probabilities(item) -> dict:
     text, lp, top = item
     return {"token": text, "logprob": lp, "bytes": list(text.encode()),
             "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in top]}
@@ -103,7 +103,7 @@ def _pick(obj: dict, paths: list[str] | None) -> dict:
     return out
 
 
-async def run(srv, request: Request, body: NativeFields, engine, tok, ids: list[int]):
+async def run(srv, request: Request, body: NativeFields, engine, ids: list[int]):
     """One /infill or /completion request over ``ids``: the whole reply (a list with n_cmpl > 1) or
     its SSE stream."""
     _refuse(body)
@@ -118,7 +118,8 @@ async def run(srv, request: Request, body: NativeFields, engine, tok, ids: list[
 
     def final(done: Done, content: str, probs: list, index: int = 0) -> dict:
         prompt_n, gen_n = len(ids) - done.cached_tokens, 0 if warm else done.completion_tokens
-        obj = {"index": index, "content": "" if warm else content, "tokens": [], "id_slot": 0, "stop": True,
+        content = "" if warm else content
+        obj = {"index": index, "content": content, "tokens": [], "id_slot": 0, "stop": True,
                "model": srv.model_id, "tokens_predicted": gen_n, "tokens_evaluated": len(ids),
                "generation_settings": settings, "prompt": "", "has_new_line": "\n" in content,
                "truncated": False, "tokens_cached": done.cached_tokens,
@@ -131,7 +132,7 @@ async def run(srv, request: Request, body: NativeFields, engine, tok, ids: list[
                            "predicted_per_token_ms": 1e3 * done.decode_s / max(gen_n - 1, 1),
                            "predicted_per_second": (gen_n - 1) / done.decode_s if done.decode_s else 0.0}}
         if body.n_probs:
-            obj["completion_probabilities"] = [_probabilities(tok, p) for p in probs]
+            obj["completion_probabilities"] = [_probabilities(p) for p in probs]
         return _pick(obj, body.response_fields)
 
     if not body.stream:
@@ -153,7 +154,7 @@ async def run(srv, request: Request, body: NativeFields, engine, tok, ids: list[
                         if (ev.text or ev.logprobs) and not warm:
                             obj = {"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]}
                             if ev.logprobs:
-                                obj["completion_probabilities"] = [_probabilities(tok, ev.logprobs)]
+                                obj["completion_probabilities"] = [_probabilities(ev.logprobs)]
                             yield frame(obj)
                     else:
                         yield frame(final(ev, ev.text, []))
@@ -169,7 +170,7 @@ def install(app, srv) -> None:
         engine, tok = srv.ready()
         ids = prompts.repo_fim(tok, [(f.filename, f.text) for f in body.input_extra],
                                body.input_prefix + body.prompt, body.input_suffix)
-        return await run(srv, request, body, engine, tok, ids)
+        return await run(srv, request, body, engine, ids)
 
     async def completion(request: Request):
         body = await parse(request, NativeCompletionRequest)
@@ -177,7 +178,7 @@ def install(app, srv) -> None:
         p = body.prompt
         ids = tok.encode(p) if isinstance(p, str) else \
             [i for part in p for i in (tok.encode(part) if isinstance(part, str) else [part])]
-        return await run(srv, request, body, engine, tok, ids)
+        return await run(srv, request, body, engine, ids)
     for path in ("/completion", "/completions"):   # llama-server answers on both
         app.post(path)(completion)
 
