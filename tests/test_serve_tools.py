@@ -140,3 +140,11 @@ def test_whole_and_streamed_answers_agree_on_a_mixed_answer(sdk, engine, tok):
     chunks = list(sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip() == bad
     assert sum(len(ch.choices[0].delta.tool_calls or []) for ch in chunks) == 2   # the call's two deltas
+
+
+def test_developer_is_system_and_an_unknown_role_is_400(client, engine, tok):
+    answer(engine, tok, "ok")
+    client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "Be terse."}] + ASK})
+    assert prompt_text(engine, tok).startswith("<|im_start|>system\nBe terse.<|im_end|>")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "function", "content": "x"}] + ASK})
+    assert r.status_code == 400 and "'function'" in r.json()["error"]["message"]
