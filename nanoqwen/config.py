@@ -79,6 +79,22 @@ class GemvInt4:
     down: GemvTile
 
 
+MAX_ROWS = 16   # the multi-row step's ceiling: one accumulator set per row per lane in the GEMV
+
+
+@dataclass(frozen=True)
+class Multirow:
+    buckets: tuple[int, ...]
+    gemv_warps: int
+
+    def __post_init__(self):
+        b = self.buckets
+        if not b or b[0] != 1 or list(b) != sorted(set(b)) or b[-1] > MAX_ROWS:
+            raise ConfigError(f"multirow.buckets must rise strictly from 1 to at most {MAX_ROWS}, got {list(b)}")
+        if not 1 <= self.gemv_warps <= 32:
+            raise ConfigError(f"multirow.gemv_warps must be 1..32, got {self.gemv_warps}")
+
+
 @dataclass(frozen=True)
 class Prefill:
     chunk_tokens: int
@@ -127,6 +143,7 @@ class Config:
     embed: Embed
     lm_head: LmHead
     gemv_int4: GemvInt4
+    multirow: Multirow
     prefill: Prefill
     codegen: Codegen
     bench: Bench

@@ -10,7 +10,10 @@ model's tokenizer."""
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 from . import NanoqwenError
@@ -88,6 +91,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self.where = where
+        self._files = files
         if "tokenizer.json" not in files:
             raise TokenizerError(f"{where}tokenizer.json: not found")
         try:
@@ -131,12 +135,39 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # The *_batch calls of `tokenizers` release the GIL (encode and decode hold it), so a server thread
+    # tokenizing a long text leaves the event loop free.
+
     def encode(self, text: str) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their ids, as in transformers."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """User content as text: ``<|fim_middle|>`` typed in an editor buffer stays the characters it is
+        (transformers' split_special_tokens, for every added token: Qwen's FIM tokens are not marked
+        special). Equal to ``encode`` for text that holds no added token."""
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @cached_property
+    def _plain(self):
+        """The same tokenizer without its added tokens: nothing in the text is taken for one."""
+        from tokenizers import Tokenizer as HFTokenizer
+        spec = json.loads(self._files["tokenizer.json"])
+        spec["added_tokens"] = []
+        return HFTokenizer.from_str(json.dumps(spec))
+
+    @cached_property
+    def _added(self) -> re.Pattern:
+        """The added tokens' texts, longest first (the leftmost-longest match `tokenizers` makes)."""
+        texts = sorted((t.content for t in self._tok.get_added_tokens_decoder().values()), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts)) or r"(?!)")
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    def pieces(self, ids) -> list[str]:
+        """Each token's own text."""
+        return self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self.chat_template is None:
@@ -147,8 +178,31 @@ class Tokenizer:
                                      **self.special_tokens, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """``kwargs`` go to the template (``tools=[...]``)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        """``kwargs`` go to the template (``tools=[...]``). The template's own special tokens are tokens;
+        the messages' content is text (``encode_text``).
+        The template renders with a marker in place of each content, and the text between two special
+        tokens is encoded as one run, which is what ``encode`` of the plain rendering does (`tokenizers`
+        splits at added tokens first), so a conversation without special-token text encodes the same."""
+        contents = [m.get("content") for m in messages]
+        marker = "\ue000" + secrets.token_hex(8)   # a private-use character and 64 random bits
+        mark = re.compile(re.escape(marker) + r"(\d+)\ue001")
+        marked = [m | {"content": f"{marker}{i}\ue001"} if isinstance(c, str) and c else m   # "" is falsy to a template
+                  for i, (m, c) in enumerate(zip(messages, contents))]
+        rendered = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        ids, run, pos = [], [], 0
+        for m in [*mark.finditer(rendered), None]:
+            template = rendered[pos:m.start() if m else len(rendered)]
+            at = 0
+            for t in self._added.finditer(template):
+                run.append(template[at:t.start()])
+                ids += self.encode_text("".join(run)) if any(run) else []
+                run, at = [], t.end()
+                ids.append(self._tok.token_to_id(t.group()))
+            run.append(template[at:])
+            if m:
+                run.append(contents[int(m.group(1))])
+                pos = m.end()
+        return ids + (self.encode_text("".join(run)) if any(run) else [])
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)

@@ -45,6 +45,21 @@ def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path)
     return ServerProcess(model, *args, backend=backend, log_dir=cache_dir, env={"NANOQWEN_CACHE_DIR": str(cache_dir)})
 
 
+def open_local(model_dir: Path, cache_dir: Path, backend: str = "reference", context: int = 4096):
+    """(engine, tokenizer, stop ids): the server's backend in this process, for the expected answers."""
+    import pytest
+    from nanoqwen import tokenizer
+    from nanoqwen.backends import open_engine
+    from nanoqwen.modelcache import resolve
+    from nanoqwen.serve import prompts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOQWEN_CACHE_DIR", str(cache_dir))
+        path = resolve(model_dir, log=lambda m: None)
+        engine = open_engine(backend, path, context, log=lambda m: None)
+    tok = tokenizer.load(path)
+    return engine, tok, prompts.stop_ids(tok)
+
+
 def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> list[int]:
     """The engine's greedy tokens for ``prompt``, a final stop token included (what usage counts)."""
     from nanoqwen.runtime.sampler import Sampling

@@ -483,3 +483,31 @@ def test_ab_bench_gate_and_extra_trees(tmp_path, monkeypatch):
     assert ab_bench.main(args + ["--gate", "2.5"]) == 0
     with pytest.raises(SystemExit, match="ID=TREE"):
         ab_bench.main(args[:1] + ["--also", "nope", "--out", str(tmp_path / "x.json")])
+
+
+def test_multirow_bench_glue_on_fakes(monkeypatch):
+    """bench/multirow.run with the device faked: every bucket of every role and the lm_head is timed on its
+    m-row kernel, each row's ratio is to that kernel's m = 1 time, bytes count m rows of activations, and
+    the weights-only step sums layers x the GEMVs + the lm_head."""
+    from nanoqwen import config
+    from nanoqwen.bench import multirow
+    from nanoqwen.codegen.kernels import gemv
+
+    cfg = config.default()
+    monkeypatch.setattr(multirow.codegen, "build_many", lambda specs, progress=None: list(specs))
+    monkeypatch.setattr(multirow.driver, "load", lambda spec: spec)
+    monkeypatch.setattr(multirow, "_gemv_seconds", lambda spec, fn, *a: (1e-6 * (1 + 0.1 * (spec.m - 1)),) * 3)
+    monkeypatch.setattr(multirow, "_lm_head_seconds", lambda spec, fn, *a: (1e-4 * (1 + 0.05 * (spec.m - 1)),) * 3)
+    res = multirow.run(stream=None, copy_GBps=4000.0, cfg=cfg)
+    rows = res["rows"]
+    assert [(r["name"], r["m"]) for r in rows] == [(n, m) for n in (*gemv.ROLES, "lm_head") for m in cfg.multirow.buckets]
+    for r in rows:
+        assert r["x_m1"] == pytest.approx(1 + (0.05 if r["name"] == "lm_head" else 0.1) * (r["m"] - 1))
+        assert f"_m{r['m']}_" in r["uri"] and r["pct_copy"] == pytest.approx(100 * r["GBps"] / 4000.0)
+    qkv = {r["m"]: r["bytes"] for r in rows if r["name"] == "qkv"}
+    assert qkv[16] - qkv[1] == 15 * (3584 * 4 + 4608 * 4)   # h in, y out per extra row
+    step = res["weights_step"]
+    assert step[1]["us"] == pytest.approx(QWEN25_7B.layers * 4 * 1.0 + 100.0)
+    assert step[16]["x_m1"] == pytest.approx((QWEN25_7B.layers * 4 * 2.5 + 100 * 1.75) / (QWEN25_7B.layers * 4 + 100))
+    text = multirow.table(res)
+    assert "lm_head   16" in text and "weights-only step, m=16" in text and "goal: m=8 <= 1.25x" in text

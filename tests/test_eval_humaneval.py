@@ -54,7 +54,7 @@ def problem_of(request) -> dict:
 
 
 def evaluate(source, problems=PROBLEMS, limits=LIMITS, chat=False):
-    return he.evaluate(problems, source, chat, 512, limits, jobs=4, config={"sandbox": limits.to_dict()}).to_dict()
+    return he.evaluate(problems, source, chat, 512, limits, jobs=2, config={"sandbox": limits.to_dict()}).to_dict()
 
 
 def test_dataset():
@@ -79,9 +79,29 @@ def test_pass_scores_zero():
     assert report["pass@1"] == 0.0 and report["problems_fail"] == 164
 
 
+@pytest.mark.parametrize("completion", [
+    "    import os\n    os._exit(0)\n",
+    "    import sys\n    sys.exit(0)\n",
+    "    raise SystemExit(0)\n",
+    "    pass\nimport os\nos._exit(0)\n",  # at the top level: before the tests are defined
+])
+def test_early_exit_is_not_a_pass(completion):
+    """A completion that ends the program cleanly before (or while) check(entry_point) runs scores as failed:
+    the harness, not the program, calls check and only its return counts."""
+    report = evaluate(FakeSource(lambda p: completion), PROBLEMS[:3], chat=False)
+    assert [p["status"] for p in report["problems"]] == ["fail"] * 3 and report["pass@1"] == 0.0
+
+
+def test_program_leaves_the_check_to_the_harness():
+    p = PROBLEMS[0]
+    assert he.program(p, p["canonical_solution"], False) == p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + "\n"
+    assert he.check_call(p) == "check(has_close_elements)"
+
+
 def test_hostile_completions_are_contained(tmp_path, monkeypatch):
     """An infinite loop and a fork bomb time out; the problems around them still pass; no process of theirs
-    survives (every sandbox directory is created under this test's tmp_path, so their command lines name it)."""
+    survives (every sandboxed process runs this checkout's confine.py) and every sandbox's mount point (under
+    this test's tmp_path) is gone."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     hostile = {"HumanEval/1": "    while True:\n        pass\n",
                "HumanEval/2": "    import os\n    while True:\n        try:\n            os.fork()\n"
@@ -95,7 +115,7 @@ def test_hostile_completions_are_contained(tmp_path, monkeypatch):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                leftovers += [pid] if str(tmp_path).encode() in f.read() else []
+                leftovers += [pid] if sandbox.CONFINE.encode() in f.read() else []
         except OSError:
             pass
     assert leftovers == [] and os.listdir(tmp_path) == []

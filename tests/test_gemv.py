@@ -1,6 +1,8 @@
 """INT4 GEMV family on the CPU: every variant for the 7B and tiny shapes renders and compiles for sm_90a
 with no spills and no local memory; the SASS main loop stays within the arithmetic budget of DESIGN.md
-section 5 (<= 2 instructions per weight); invalid specs and foreign layouts are refused."""
+section 5 (<= 2 instructions per weight); invalid specs and foreign layouts are refused. The multi-row
+step: m-row specs keep what fixes a row's order, m shows in the URI, m outside 1..16 is refused, and the
+m = 16 main loop reads each weight once."""
 
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import dataclasses
 import re
 
 import pytest
+import yaml
 
 from nanoqwen import codegen, config, quant
 from nanoqwen.codegen import resources
+from nanoqwen.codegen.gpu import DEFAULT as DEFAULT_GPU
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError
-from nanoqwen.dims import QWEN25_7B
-from nanoqwen.testmodels import tiny_dims
+from nanoqwen.dims import QWEN25_7B, ModelDims
+from nanoqwen.paths import data_path
+from nanoqwen.testmodels import SMALL_PY_DIR, tiny_dims
 
 CFG = config.default()
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
@@ -173,3 +178,109 @@ def test_lane_map_comes_from_the_format():
 def test_weight_bytes():
     s = gemv.role_spec("gate_up", QWEN25_7B, CFG)
     assert s.weight_bytes() == 2 * 18944 * (3584 // 2 + 2 * 3584 // 128)
+
+
+# ---- the multi-row step (m activation rows per weight read, DESIGN.md section 12) ---------------------
+
+BUCKETS = CFG.multirow.buckets
+SMALL_PY = ModelDims.from_hf_dir(SMALL_PY_DIR)
+ORDER_FIELDS = ("n", "k", "epilogue", "norm", "out_f16", "eps", "group", "lane_offsets", "lanes", "splitk")
+
+
+@pytest.mark.parametrize("dims", [QWEN25_7B, SMALL_PY], ids=["7b", "small-py"])
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_multirow_spec_keeps_what_decides_a_rows_order(dims, role):
+    """Every m-row spec keeps the fields that fix a row's arithmetic order (lanes, splitk, k, group, the
+    epilogue), shows m in its URI, and m = 1 is the decode kernel itself."""
+    one = gemv.role_spec(role, dims, CFG)
+    assert one.m == 1 and gemv.role_spec(role, dims, CFG, m=1) == one == gemv.multirow_spec(one, 1)
+    assert one.uri.endswith(f"_m1_{one.hash8}") and "constexpr int M = 1;" in codegen.render(one)
+    for m in BUCKETS:
+        spec = gemv.role_spec(role, dims, CFG, m=m)
+        assert spec.m == m and f"_m{m}_" in spec.uri
+        assert all(getattr(spec, f) == getattr(one, f) for f in ORDER_FIELDS), spec
+        assert spec.launch().smem == (spec.xs_bytes if m > 1 else 0)
+        assert spec.xs_bytes == m * one.xs_bytes
+        assert f"constexpr int M = {m};" in codegen.render(spec)
+    # every grid of m > 1 fits in one wave at the residency its staged x allows
+    for spec in gemv.multirow_specs_for_model(dims, CFG):
+        resident = max(1, DEFAULT_GPU.max_smem // (spec.xs_bytes + gemv.SMEM_MARGIN))
+        assert spec.resident_ctas() == resident
+        grid = spec.launch().grid
+        assert grid[0] * grid[1] <= resident * DEFAULT_GPU.sm_count or spec.tiles_per_warp == one.tiles_per_warp
+        hint = "__launch_bounds__(THREADS, 1)" if resident == 1 else "__launch_bounds__(THREADS)"
+        assert hint in codegen.render(spec)
+
+
+def test_small_py_shares_the_tiny_kernels():
+    """The small-py test model has the tiny model's shapes, so test_kernels_compile's tiny cases (m = 1..16,
+    no spills, no local memory) compile exactly its kernels."""
+    assert codegen.multirow_kernels(SMALL_PY, CFG) == codegen.multirow_kernels(tiny_dims(), CFG)
+    assert codegen.model_kernels(SMALL_PY, CFG) == codegen.model_kernels(tiny_dims(), CFG)
+
+
+@pytest.mark.parametrize("m", [0, 17, -1])
+def test_row_count_out_of_range_rejected(m):
+    with pytest.raises(SpecError, match=r"\.m must be 1\.\.16"):
+        _spec(m=m).validate()
+    with pytest.raises(SpecError, match=r"\.m must be 1\.\.16"):
+        gemv.role_spec("qkv", QWEN25_7B, CFG, m=m)
+
+
+def test_multirow_spec_derives_from_the_single_row_kernel():
+    with pytest.raises(SpecError, match="m = 1 spec"):
+        gemv.multirow_spec(gemv.role_spec("down", QWEN25_7B, CFG, m=4), 8)
+
+
+@pytest.mark.parametrize("buckets,match", [([2, 4], "from 1"), ([1, 4, 2], "rise"), ([1, 32], "at most 16")])
+def test_multirow_buckets_validated(tmp_path, buckets, match):
+    data = yaml.safe_load(data_path("config", "nanoqwen.yaml").read_text())
+    data["multirow"]["buckets"] = buckets
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(config.ConfigError, match=match):
+        config.load(path)
+
+
+def test_multirow_io_bytes_scale_with_rows():
+    one, four = (gemv.role_spec("qkv", QWEN25_7B, CFG, m=m) for m in (1, 4))
+    assert one.io_bytes() == 3584 * (4 + 2) + 4608 * 4 + 4608 * 2   # h + norm weight, y, bias
+    assert four.io_bytes() == 4 * 3584 * 4 + 3584 * 2 + 4 * 4608 * 4 + 4608 * 2
+    assert four.weight_bytes() == one.weight_bytes()
+
+
+# Instructions per weight per extra row: the half2 chain is 0.5 HFMA2 per weight per row (fixed: it is the
+# m = 1 arithmetic), plus the x loads (4 LDS.128 per 32 weights per tile row: 0.125 at rows = 1), the
+# chain's fold (HADD2 + cvt + FFMA per 32 weights: 0.094) and the per-row warp reduction (~0.05 at qkv);
+# the unpack is shared by all rows; lanes = 32 on K = 3584 idles a quarter of the last chunk iteration.
+# Measured (NVRTC 12.9, configured tiles): qkv 0.772, o_proj 0.817, gate_up 0.702, down 0.802.
+MULTIROW_PER_ROW_GUARD = 0.85
+
+
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_multirow_reads_each_weight_once(role):
+    """The m = 16 main loop issues exactly the m = 1 kernel's weight loads (one per tensor, row and chunk:
+    _loop_cost asserts it), and each row beyond the first adds at most MULTIROW_PER_ROW_GUARD SASS
+    instructions per weight."""
+    one = gemv.role_spec(role, QWEN25_7B, CFG)
+    many = gemv.role_spec(role, QWEN25_7B, CFG, m=16)
+    n1, _ = _loop_cost(dataclasses.replace(one, tiles_per_warp=many.tiles_per_warp, warps=many.warps))
+    n16, ops = _loop_cost(many)
+    per_row = (n16 - n1) / 15 / _real_weights(many)
+    print(f"{role} m=16: {n16} SASS vs {n1} at m=1: {per_row:.3f} per weight per extra row; {ops.most_common(5)}")
+    assert per_row <= MULTIROW_PER_ROW_GUARD, f"{role}: {per_row:.3f} SASS per weight per extra row"
+
+
+def test_gen_lists_and_picks_multirow_kernels(capsys):
+    """nanoqwen-gen: `list --model` shows every m-row kernel; `emit FAMILY --model` picks the decode kernel
+    (m = 1) unless --param m=K asks for the K-row one."""
+    from nanoqwen.cli import gen
+    assert gen.main(["list", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    for spec in codegen.multirow_kernels(tiny_dims(), CFG):
+        assert spec.uri in out
+    one = gemv.role_spec("qkv", tiny_dims(), CFG)
+    assert gen.main(["emit", "gemv_int4", "--model", "tiny", "--param", "epilogue=bias"]) == 0
+    assert capsys.readouterr().out == codegen.render(one)
+    assert gen.main(["emit", "gemv_int4", "--model", "tiny", "--param", "epilogue=bias", "--param", "m=8"]) == 0
+    assert capsys.readouterr().out == codegen.render(gemv.role_spec("qkv", tiny_dims(), CFG, m=8))

@@ -1,5 +1,5 @@
-"""Every kernel the 7B model and the test models need renders and compiles for sm_90a with NVRTC (no GPU),
-with no register spills and no local memory. One session-scoped fixture builds them all in parallel
+"""Every kernel the 7B model and the test models need (the multi-row step's m = 2..16 kernels included)
+renders and compiles for sm_90a with NVRTC (no GPU), with no register spills and no local memory. One session-scoped fixture builds them all in parallel
 first (serial compilation would dominate the wall time), into a fresh cache so CI really compiles."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from nanoqwen import codegen, config
 from nanoqwen.codegen import cache, gpu, kernels, resources
+from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B, ModelDims
 from nanoqwen.codegen import tuned
 
@@ -25,8 +26,13 @@ def _tiny_dims() -> ModelDims:
 
 
 MODELS = {"7b": QWEN25_7B, "tiny": _tiny_dims()}
-# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU)
-SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())))
+# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU), plus the
+# multi-row step's m > 1 kernels (config multirow.buckets), from the defaults and from the tuned tiles
+BUCKETS = [m for m in config.default().multirow.buckets if m > 1]
+SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())
+                                  + codegen.multirow_kernels(dims)
+                                  + [gemv.multirow_spec(s, m) for s in tuned.tuned_specs(dims, config.default())
+                                     for m in BUCKETS]))
          for name, dims in MODELS.items()}
 CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 

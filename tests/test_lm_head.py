@@ -1,5 +1,5 @@
 """CPU tests of the first and last kernels of a decode step (embed, lm_head_argmax): the specs follow the
-config and reject impossible shapes; every variant below renders and compiles for sm_90a with no spills
+config and reject impossible shapes (the multi-row lm_head: m in 1..16, x within shared memory); every variant below renders and compiles for sm_90a with no spills
 and no local memory; the SASS streams lm_head with 16-byte loads, the first batch of them issued before
 griddepcontrol.wait (SASS ACQBULK), and never reads h or the decode state through the .nc path."""
 
@@ -29,6 +29,10 @@ LM_CASES = {
     "h5120": dataclasses.replace(LM7B, hidden=5120),
     # 896 (Qwen2.5-0.5B): 112 vectors per row, so lanes 16-31 sit out the last column
     "h896-rows4": lm_head.LmHeadArgmaxSpec(hidden=896, vocab=151936, warps=4, rows_per_warp=4, unroll=2, ctas=132),
+    # the multi-row step: m rows of x against one read of the head (7B m = 16: 224 KB of x, one CTA per SM)
+    "7b-m2": lm_head.model_spec(QWEN25_7B, CFG, m=2),
+    "7b-m16": lm_head.model_spec(QWEN25_7B, CFG, m=16),
+    "tiny-m16": lm_head.model_spec(tiny_dims(), CFG, m=16),
 }
 EMBED_CASES = {"7b": embed.specs_for_model(QWEN25_7B, CFG)[0], "tiny": embed.specs_for_model(tiny_dims(), CFG)[0]}
 LDG128 = re.compile(r"\bLDG\.E(?:\.\w+)*\.128\b")
@@ -100,7 +104,8 @@ def test_lm_head_compiles_clean_and_streams_before_the_wait(built, name):
     r = b.resources
     print(f"{spec.uri}: {r}")
     assert (r.spill_stores, r.spill_loads, r.local_bytes) == (0, 0, 0), r
-    assert r.shared_static <= 4 * spec.hidden + 1024 + 64 * spec.warps, r
+    assert r.shared_static + b.launch.smem <= 4 * spec.hidden * spec.m + 1024 + 64 * spec.warps * spec.m, r
+    assert b.launch.smem == (spec.xs_bytes if spec.m > 1 else 0)
     if name == "7b":  # the default must keep two 256-thread CTAs per SM (16 warps streaming)
         assert r.registers <= 128, r
     ops = _sass_ops(b.cubin)
@@ -130,3 +135,31 @@ def test_embed_compiles_clean(built, name):
     assert "CONSTANT" not in state_load, f"state[0] read through the .nc path: {state_load}"
     assert sum(bool(LDG128.search(o)) for o in ops) == 1
     assert sum(o.startswith("STG.E.128") for o in ops) == 2
+
+
+def test_multirow_specs():
+    """m rows: m in the URI, the per-row arithmetic fields of m = 1 kept, no decode state taken (the M tokens
+    go to tokens_out[0..m)), partials per row, x in dynamic shared memory, the grid fitted to residency."""
+    for m in CFG.multirow.buckets:
+        spec = lm_head.model_spec(QWEN25_7B, CFG, m=m)
+        assert spec.m == m and f"_m{m}_" in spec.uri and f"constexpr int M = {m};" in codegen.render(spec)
+        assert (spec.hidden, spec.vocab, spec.eps, spec.warps, spec.rows_per_warp, spec.unroll) == (
+            LM7B.hidden, LM7B.vocab, LM7B.eps, LM7B.warps, LM7B.rows_per_warp, LM7B.unroll)
+        assert spec.partials_bytes == 8 * spec.ctas * m
+        names = [n for n, _ in spec.signature]
+        assert ("state" in names) == (m == 1)
+        assert spec.launch().smem == (4 * 3584 * m if m > 1 else 0)
+        resident = max(1, DEFAULT_GPU.max_smem // (spec.xs_bytes + 4096)) if m > 1 else CFG.lm_head.ctas_per_sm
+        assert spec.ctas == min(CFG.lm_head.ctas_per_sm, resident) * DEFAULT_GPU.sm_count
+    assert lm_head.model_spec(QWEN25_7B, CFG) == LM7B
+    assert lm_head.multirow_specs_for_model(QWEN25_7B, CFG) == [
+        lm_head.model_spec(QWEN25_7B, CFG, m=m) for m in CFG.multirow.buckets if m > 1]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(m=0), r"\.m must be 1\.\.16"), (dict(m=17), r"\.m must be 1\.\.16"),
+    (dict(m=16, hidden=4096, unroll=16), "shared memory"),   # 16 rows x 16 KB of fp32 x > 227 KB
+])
+def test_invalid_multirow_lm_head_rejected(change, match):
+    with pytest.raises(SpecError, match=match):
+        codegen.render(dataclasses.replace(LM7B, **change))

@@ -256,6 +256,7 @@ def test_health_and_metrics(server):
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ("/infill", {"input_prefix": "x", "n_cmpl": 2, "stream": True}, 400, "n_cmpl"),
+    ("/infill", {"input_prefix": "x", "n_predict": -2}, 400, "n_predict"),
     ("/detokenize", {"tokens": [-1]}, 400, "-1"),
     ("/v1/nothing", {}, 404, "Not Found"),
 ])

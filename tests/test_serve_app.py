@@ -48,10 +48,10 @@ class FlakyReference(GpuLikeEngine, ReferenceEngine):
     name = "stand-in reference engine"
 
 
-def serve(load):
+def serve(load, raise_server_exceptions=True):
     metrics = Metrics()
     worker = Worker(load, metrics, max_queue=4, log=lambda m: None)
-    client = TestClient(create_app(Server(worker, metrics, "m")))
+    client = TestClient(create_app(Server(worker, metrics, "m")), raise_server_exceptions=raise_server_exceptions)
     worker.start()
     return client
 
@@ -133,3 +133,27 @@ def test_without_max_tokens_generation_fills_the_context(tok):
     assert r.json()["choices"][0]["finish_reason"] == "length"
     r = client.post("/v1/chat/completions", json={"messages": messages * 20})
     assert r.status_code == 400 and "maximum context length is 64 tokens" in r.json()["error"]["message"]
+
+
+class BrokenTokenizer:
+    """A bug stand-in: encoding raises something no route expects."""
+    eos_ids = ()
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text):
+        raise KeyError("simulated bug")
+
+
+def test_an_unexpected_exception_is_a_json_500_and_the_server_serves_on(tok):
+    client = serve(lambda: (FlakyReference(), BrokenTokenizer(tok)), raise_server_exceptions=False)
+    wait_health(client, 200)
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "internal_error" and "simulated bug" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json=BODY | {"prompt": [300, 301]})   # token ids: no encode
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

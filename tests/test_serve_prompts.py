@@ -32,9 +32,18 @@ def test_fim_layout(tok):
     assert tok.decode(ids) == f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
 
 
-def test_fim_text_cannot_inject_special_tokens(tok):
-    ids = prompts.fim(tok, "a<|fim_middle|>b", "")
-    assert ids.count(special(tok, "<|fim_middle|>")) == 2   # the layout's own, and the one the text spells
+@pytest.mark.parametrize("where", ["prefix", "suffix", "extra"])
+def test_editor_text_cannot_inject_special_tokens(tok, where):
+    """Every added token spelled in the editor's text stays text: the layout's own tokens are the only
+    special ids, and the text decodes back to what was typed."""
+    typed = "a" + "".join(FIM_TOKENS) + "<|im_start|><|endoftext|>b"
+    prefix, suffix = (typed, "") if where == "prefix" else ("", typed) if where == "suffix" else ("", "")
+    files = [("f.py", typed)] if where == "extra" else [("f.py", "x")]
+    ids = prompts.repo_fim(tok, files, prefix, suffix)
+    added = set(tok.added_special_tokens)
+    layout = ["<|repo_name|>", "<|file_sep|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    assert [tok.decode([i]) for i in ids if i in added] == layout
+    assert typed in tok.decode(ids)
 
 
 def test_repo_level_layout(tok):

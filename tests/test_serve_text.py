@@ -27,7 +27,7 @@ def split_text(draw):
     text = draw(st.text(ALPHABET, max_size=40))
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    stops = draw(st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3))
+    stops = draw(st.lists(st.text(ALPHABET, min_size=1, max_size=5), max_size=8))
     return text, pieces, stops
 
 
@@ -37,9 +37,15 @@ def test_stop_matcher_never_leaks(case):
     text, pieces, stops = case
     m = StopMatcher(stops)
     out = ""
+    seen = ""
     for p in pieces:
         out += m.push(p)
+        seen += p
         assert expected(text, stops).startswith(out)   # nothing beyond the cut ever comes out
+        if m.stopped is None:   # ... and nothing more than a stop string's beginning is held back
+            assert out + m.held == seen
+            assert m.held == max((seen[i:] for i in range(len(seen) + 1) if any(s.startswith(seen[i:]) for s in stops)),
+                                 key=len, default="")
     out += m.flush()
     assert out == expected(text, stops)
     assert (m.stopped is not None) == any(s in text for s in stops)
@@ -61,3 +67,16 @@ def test_text_stream_over_real_tokens():
         s = TextStream(tok, [stop])
         out = "".join(s.push(i) for i in ids) + s.flush()
         assert out == expected(text, [stop]), stop
+
+
+def test_stop_matching_is_linear_in_the_output():
+    """64 stop strings of 512 characters that all begin the output (the worst case for a hold-back
+    matcher that rescans each stop per piece): 20000 one-character pieces take well under a second."""
+    import time
+    text = "".join(chr(0x4e00 + i % 97) for i in range(20000))
+    stops = [text[:511] + chr(0x3000 + i) for i in range(64)]   # each diverges at its last character
+    m = StopMatcher(stops)
+    t0 = time.perf_counter()
+    out = "".join(m.push(ch) for ch in text) + m.flush()
+    assert out == text and m.stopped is None
+    assert time.perf_counter() - t0 < 1.0

@@ -147,4 +147,4 @@ def test_developer_is_system_and_an_unknown_role_is_400(client, engine, tok):
     client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "Be terse."}] + ASK})
     assert prompt_text(engine, tok).startswith("<|im_start|>system\nBe terse.<|im_end|>")
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "function", "content": "x"}] + ASK})
-    assert r.status_code == 400 and "'function'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"

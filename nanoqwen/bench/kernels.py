@@ -4,7 +4,8 @@ bandwidth of the same device measured in the same run (cuMemcpyDtoDAsync, bytes 
 
 Weights rotate over enough distinct copies (config bench.l2_rotate_bytes in total) that L2 cannot serve
 them; activations stay put (they are L2-resident in decode too). Bytes counted per call: packed weights +
-scales + the input vector(s) + the output vector."""
+scales + the input vector(s) + the output vector. Then the multi-row step's costs (bench/multirow.py): each
+GEMV and the lm_head over m = 1, 2, 4, 8, 16 rows as a multiple of m = 1."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
-from .gemv_case import GemvCase, io_bytes
+from . import multirow
+from .gemv_case import GemvCase
 
 COPY_BYTES = 2 << 30          # one direction; read + write = 4 GiB moved per copy
 COPY_REPS = 10
@@ -101,7 +103,7 @@ def rotating_copies(spec: gemv.GemvInt4Spec, rotate_bytes: int) -> int:
 def row(role: str, spec: gemv.GemvInt4Spec, t: dict, copy_GBps: float, copies: int) -> dict:
     """One result row: bytes moved per call, the floor at the measured copy bandwidth, and for both modes
     the median (min, max) time, GB/s and % of the copy bandwidth."""
-    nbytes = spec.weight_bytes() + io_bytes(spec)
+    nbytes = spec.weight_bytes() + spec.io_bytes()
     out = {"role": role, "n": spec.n, "k": spec.k, "uri": spec.uri, "spec": spec.spec_repr,
            "grid": list(spec.launch().grid), "block": list(spec.launch().block), "bytes": nbytes,
            "copies": copies, "graph_calls": t["graph_calls"], "floor_us": nbytes / (copy_GBps * 1e9) * 1e6}
@@ -177,9 +179,11 @@ def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, roles=gem
         rows.append(r)
     blocker.free()
     result["gemv"] = rows
+    log(table(result))
+    result["multirow"] = multirow.run(stream, copy["GBps"], dims, cfg, roles, props.name)
+    log(multirow.table(result["multirow"]))
     result["clocks_after"] = clocks()
     stream.close()
-    log(table(result))
     return result
 
 

@@ -7,7 +7,7 @@ layers. Counted per region:
   weights      INT4 packed + fp16 scales (GemvInt4Spec.weight_bytes), the fp16 lm_head, the embedding row
   kv           K and V of every KV head at the current context (attention covers ``context`` tokens,
                the new one included) plus the page-table entries
-  activations  vectors in and out (bench/gemv_case.io_bytes: fp32 h + fp16 norm weight for a
+  activations  vectors in and out (GemvInt4Spec.io_bytes: fp32 h + fp16 norm weight for a
                normed input, fp32 residual read + written, fp16 bias), q/k/v in rope_append and the
                fp16 k/v it appends, q_rot and o16 around attention, the fp32 logits lm_head writes
 The attention split partials stay out: they live between two kernels of one region, in L2.
@@ -18,7 +18,6 @@ from __future__ import annotations
 from ..codegen.kernels import gemv
 from ..config import Config, default
 from ..dims import ModelDims
-from .gemv_case import io_bytes
 
 REGIONS = ("embed", "qkv_gemv", "rope_append", "paged_attention", "o_proj", "gate_up_gemv", "down", "lm_head_argmax")
 # decoder role (runtime/decoder.step_specs) -> region; decode and combine are one region
@@ -42,7 +41,7 @@ def region_bytes(dims: ModelDims, context: int, cfg: Config | None = None) -> di
     for role, region in GEMV_REGION.items():
         spec = gemv.role_spec(role, d, cfg)
         out[region]["weights"] = L * spec.weight_bytes()
-        out[region]["activations"] = L * io_bytes(spec)
+        out[region]["activations"] = L * spec.io_bytes()
     qkv_n = d.q_dim + 2 * d.kv_dim
     rope = qkv_n * F32 + 2 * (d.head_dim // 2) * F32 + d.q_dim * F32 + 2 * d.kv_dim * F16   # in, cos/sin, out
     out["rope_append"]["activations"] = L * rope

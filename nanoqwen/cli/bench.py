@@ -12,7 +12,7 @@ from ..bench.protocol import BenchError
 
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL", help=".nanoqwen file, HF model directory, or 7b (synthetic)")
-    p.add_argument("--kernels", action="store_true", help="GEMV kernel benchmark (bandwidth vs device copy)")
+    p.add_argument("--kernels", action="store_true", help="GEMV kernel benchmark (bandwidth vs device copy; m-row step costs)")
     p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="--kernels: GEMV roles to time (comma-separated)")
     p.add_argument("--warmup", type=int, metavar="N", help="untimed requests first (default: config bench.warmup)")
     p.add_argument("--prompt-tokens", type=int, metavar="N", help="prompt length (default: config bench.prompt_tokens)")

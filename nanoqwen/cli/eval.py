@@ -21,8 +21,8 @@ from ..backends import BACKENDS
 from ..bench.protocol import write_json
 
 REFUSAL = ("refusing to run: HumanEval scores a model by executing the code it generates; pass --allow-exec "
-           "to run each completion in the sandbox (own process, CPU/memory/process limits, no network and a "
-           "read-only filesystem where the OS allows)")
+           "to run each completion in the sandbox (own root with a read-only Python, own PID and network "
+           "namespaces, no privileges, time/memory/process/disk limits, where the OS allows)")
 
 
 def add_arguments(p) -> None:

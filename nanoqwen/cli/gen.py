@@ -1,4 +1,5 @@
-"""`nanoqwen-gen`: list kernel families and the kernels a model needs; emit any kernel's CUDA source,
+"""`nanoqwen-gen`: list kernel families and the kernels a model needs (the multi-row step's m > 1 kernels
+included; `--param m=K` picks one, the decode kernel m = 1 otherwise); emit any kernel's CUDA source,
 PTX, SASS, resource report or cubin; compile a model's whole kernel set into the cache (ahead of
 serving with NANOQWEN_DISABLE_JIT=1).
 
@@ -42,7 +43,11 @@ def model_dims(arg: str) -> ModelDims:
 
 
 def _model_specs(args):
-    return codegen.model_kernels(model_dims(args.model), config.default()) if args.model else []
+    """The decode kernels of --model, then the multi-row step's m > 1 kernels (config multirow.buckets)."""
+    if not args.model:
+        return []
+    dims, cfg = model_dims(args.model), config.default()
+    return list(dict.fromkeys(codegen.model_kernels(dims, cfg) + codegen.multirow_kernels(dims, cfg)))
 
 
 def _type_name(tp) -> str:
@@ -66,7 +71,7 @@ def cmd_list(args) -> int:
 
 def select(args, specs) -> codegen.KernelSpec:
     """KERNEL is a URI from `list --model`, or a family: built from --param alone, or, with --model,
-    the one model kernel of that family whose fields match every --param."""
+    the one model kernel of that family whose fields match every --param (m = 1 unless --param m=...)."""
     params = parse_params(args.param)
     by_uri = {s.uri: s for s in specs}
     if args.kernel in by_uri:
@@ -81,6 +86,8 @@ def select(args, specs) -> codegen.KernelSpec:
     if not args.model:
         return cls.from_params(**params)
     want = cls.typed_params(params)
+    if "m" in cls.parameters() and "m" not in want:
+        want["m"] = 1   # a row-count family without --param m: its decode kernel
     candidates = [s for s in specs if s.family == cls.family]
     match = [s for s in candidates if all(getattr(s, k) == v for k, v in want.items())]
     if len(match) == 1:

@@ -5,12 +5,15 @@ a time, in order, from a queue of --max-queue."""
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 
 from .. import NanoqwenError
 from ..backends import BACKENDS
 from ..runtime.drafters import drafter_setting
+from ..serve.limits import READ_TIMEOUT_S
 from .run import add_speculate_arguments
 
 
@@ -20,7 +23,10 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache size in tokens: the most one request may occupy (default: min(8192, the model's))")
-    p.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (visible in the process list: prefer --api-key-file "
+                        f"or the {KEY_ENV} environment variable)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="--api-key, read from the file PATH")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="cuda, reference (numpy on the CPU) or auto (cuda when a GPU is present)")
     p.add_argument("--eager", action="store_true", help="launch kernels one by one instead of CUDA graphs")
@@ -28,11 +34,59 @@ def add_arguments(p) -> None:
                    help="requests that may wait while one runs; beyond, 503 with Retry-After (default 16)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
                    help="largest request body accepted, else 413 (default 8 MiB)")
+    p.add_argument("--max-text-chars", type=int, default=None, metavar="N",
+                   help="most characters of text one request may have tokenized (prompt, messages, /infill fields, "
+                        "/tokenize content), else 413 (default: 16 per token of --context)")
+    p.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="seconds a client has to send a whole request, head and body, else the connection "
+                        f"closes (default {READ_TIMEOUT_S:g})")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the id /v1/models lists and requests name (default: MODEL's file or directory name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with tokenizer.json (default: beside MODEL)")
     add_speculate_arguments(p)
+
+
+KEY_ENV = "NANOQWEN_API_KEY"
+MAX_KEY_FILE = 4096
+
+
+def api_key(args, environ=os.environ) -> str | None:
+    """The key from --api-key, --api-key-file or $NANOQWEN_API_KEY (at most one of them), or None."""
+    given = [(name, v) for name, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                                       (KEY_ENV, environ.get(KEY_ENV))) if v is not None]
+    if len(given) > 1:
+        raise NanoqwenError(f"{given[0][0]} and {given[1][0]} both give the API key: use one of them")
+    if not given:
+        return None
+    name, key = given[0]
+    if name == "--api-key-file":
+        name, key = f"--api-key-file {key}", _read_key_file(key)
+    key = key.strip()
+    if not key:
+        raise NanoqwenError(f"{name}: the API key is empty")
+    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+        raise NanoqwenError(f"{name}: the API key must be printable ASCII without spaces (it travels in a header)")
+    return key
+
+
+def _read_key_file(path: str) -> str:
+    """The file's text; a FIFO or device is refused before it is read (O_NONBLOCK: opening a FIFO does
+    not wait for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise NanoqwenError(f"--api-key-file {path}: not a regular file")
+            data = f.read(MAX_KEY_FILE + 1)
+    except OSError as e:
+        raise NanoqwenError(f"--api-key-file {path}: cannot read: {e.strerror}") from None
+    if len(data) > MAX_KEY_FILE:
+        raise NanoqwenError(f"--api-key-file {path}: more than {MAX_KEY_FILE} bytes, not a key")
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise NanoqwenError(f"--api-key-file {path}: the API key must be printable ASCII without spaces") from None
 
 
 def _log(msg: str) -> None:
@@ -44,6 +98,7 @@ def run(args) -> int:
         import uvicorn
 
         from ..serve.app import Server, create_app
+        from ..serve.protocol import uvicorn_options
     except ImportError as e:
         raise NanoqwenError(f"nanoqwen serve needs fastapi, uvicorn and prometheus-client ({e}): "
                             f"pip install fastapi uvicorn prometheus-client") from None
@@ -52,9 +107,12 @@ def run(args) -> int:
     from ..serve.worker import Worker
 
     for opt, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 0),
-                       ("--max-body-bytes", args.max_body_bytes, 1)):
+                       ("--max-body-bytes", args.max_body_bytes, 1), ("--max-text-chars", 1 if args.max_text_chars is None else args.max_text_chars, 1)):
         if v < lo:
             raise NanoqwenError(f"{opt} must be at least {lo}, got {v}")
+    if not 0 < args.read_timeout < float("inf"):
+        raise NanoqwenError(f"--read-timeout must be a positive number of seconds, got {args.read_timeout}")
+    key = api_key(args)
     speculate = drafter_setting(args.speculate, args.draft_tokens)
     if not Path(args.model).exists():
         raise NanoqwenError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
@@ -66,9 +124,10 @@ def run(args) -> int:
         server.should_exit = True
     worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log, speculate),
                     metrics, args.max_queue, log=_log, on_load_error=stop)
-    app = create_app(Server(worker, metrics, name, api_key=args.api_key, max_body=args.max_body_bytes))
+    app = create_app(Server(worker, metrics, name, api_key=key, max_body=args.max_body_bytes,
+                            max_text=args.max_text_chars))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=False))
+                                           access_log=False, **uvicorn_options(args.read_timeout)))
     worker.start()
     _log(f"nanoqwen serve: {name} on http://{args.host}:{args.port} (loading; GET /health says 200 when ready)")
     server.run()

@@ -6,10 +6,10 @@ from .cache import JitDisabled
 from .gpu import GpuProfile
 from .kernels import from_params
 from .nvrtc import CompileError, Compiled
-from .manifest import model_kernels
+from .manifest import model_kernels, multirow_kernels
 from .render import render
 from .resources import Resources
 from .spec import KernelSpec, Launch, SpecError
 
 __all__ = ["Built", "CompileError", "Compiled", "GpuProfile", "JitDisabled", "KernelSpec", "Launch", "ProgressLine",
-           "Resources", "SpecError", "build", "build_many", "from_params", "model_kernels", "render"]
+           "Resources", "SpecError", "build", "build_many", "from_params", "model_kernels", "multirow_kernels", "render"]

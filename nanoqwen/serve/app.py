@@ -5,6 +5,7 @@ awaits the job's event queue, so /health, /metrics and queue refusals answer whi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 import uuid
@@ -15,10 +16,11 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..runtime.sampler import Sampling
-from . import errors, llama_compat, prompts
+from . import errors, limits, llama_compat, offload, prompts
 from .context import fit, requested
 from .errors import APIError, parse
 from .grammar import Grammars
+from .limits import MAX_HEAD_BYTES, MAX_HEADERS
 from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
 from .sse import SSE_HEADERS, frame as _sse
@@ -29,7 +31,7 @@ OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, P
 
 
 class Guard:
-    """ASGI middleware: body size limit (413), API key (401), and the request counter by endpoint and
+    """ASGI middleware: header count (431), body size limit (413), API key (401), and the request counter by endpoint and
     status. Pure ASGI rather than BaseHTTPMiddleware, so streamed responses and disconnects pass untouched."""
 
     def __init__(self, app, server):
@@ -57,6 +59,9 @@ class Guard:
                 raise HTTPException(413, _too_large(srv.max_body).message)
             return message
         try:
+            if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEAD_BYTES:
+                raise APIError(f"the request has more than {MAX_HEADERS} headers or {MAX_HEAD_BYTES} bytes of them",
+                               status=431, code="headers_too_large")
             headers = dict(scope["headers"])
             if srv.api_key and path not in OPEN:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -90,9 +95,11 @@ def _usage(prompt_tokens: int, done: Done) -> dict:
 
 
 class Server:
-    def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20):
+    def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20,
+                 max_text: int | None = None):
         self.worker, self.metrics, self.model_id = worker, metrics, model_id
         self.api_key, self.max_body, self.created = api_key, max_body, int(time.time())
+        self.max_text = max_text   # None: limits.CHARS_PER_TOKEN per token of the context
         self.endpoints: set[str] = set()
         self.grammars: Grammars | None = None   # structured output, made on first use
 
@@ -110,6 +117,10 @@ class Server:
             raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
                            "request", param="n")
 
+    def check_text(self, engine, size: int, param: str, what: str = "characters") -> None:
+        limit = self.max_text if self.max_text is not None else limits.CHARS_PER_TOKEN * engine.context
+        limits.check_text(size, limit, param, what)
+
     def grammar_engine(self) -> Grammars:
         w = self.worker
         if self.grammars is None:
@@ -123,25 +134,22 @@ class Server:
     # ---- the engine's events -------------------------------------------------------------------------
 
     def submit(self, request: Request, job: Job) -> Job:
+        limits.check_stops(job.stops)
         job.received = request.state.received
         self.worker.submit(job)
         return job
 
     async def events(self, job: Job, request: Request | None = None):
         """The job's events up to Done; a Failed raises. Leaving early (a disconnect cancels the streaming
-        task; ``request`` is polled when the response is not streamed) cancels the generation."""
+        task; ``request`` is watched when the response is not streamed) cancels the generation, which the
+        engine thread sees at its next token."""
         finished = False
+        watch = asyncio.create_task(_disconnect(request, job)) if request is not None else None
         try:
             while True:
-                if request is None:
-                    ev = await job.events.get()
-                else:
-                    try:
-                        ev = await asyncio.wait_for(job.events.get(), 0.5)
-                    except TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
+                ev = await job.events.get()
+                if ev is None:   # the client left
+                    return
                 if isinstance(ev, Failed):
                     finished = True
                     raise ev.error
@@ -150,6 +158,8 @@ class Server:
                     finished = True
                     return
         finally:
+            if watch is not None:
+                watch.cancel()
             if not finished:
                 self.worker.cancel(job)
 
@@ -184,6 +194,15 @@ class Server:
         except APIError as e:
             yield _sse(e.body())
         yield b"data: [DONE]\n\n"
+
+
+async def _disconnect(request: Request, job: Job) -> None:
+    """Wakes ``events`` with None when the client of a non-streamed request leaves: once the body is read,
+    the server's receive() returns only at the disconnect (polling is_disconnected between events would
+    never run while tokens keep coming)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.events.put_nowait(None)
 
 
 def _completion_logprobs(items: list, offset: int) -> dict:
@@ -231,20 +250,24 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse(request, TokenizeRequest)
-        _engine, tok = srv.ready()
-        ids = tok.encode(body.content)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]}
-        return {"tokens": ids}
+        engine, tok = srv.ready()
+        srv.check_text(engine, len(body.content), "content")
+
+        def tokens() -> bytes:   # serialized off the loop too: a long text's pieces are megabytes of JSON
+            ids = tok.encode(body.content)
+            out = [{"id": i, "piece": p} for i, p in zip(ids, tok.pieces(ids))] if body.with_pieces else ids
+            return ('{"tokens": ' + offload.json_list(out) + "}").encode()
+        return Response(await offload.run(tokens), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse(request, DetokenizeRequest)
         engine, tok = srv.ready()
+        srv.check_text(engine, len(body.tokens), "tokens", "tokens")
         bad = [t for t in body.tokens if not 0 <= t < engine.dims.vocab]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {engine.dims.vocab})", param="tokens")
-        return {"content": tok.decode(body.tokens)}
+        return {"content": await offload.run(tok.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -256,12 +279,14 @@ def create_app(server: Server) -> FastAPI:
             if len(p) != 1:
                 raise APIError(f"one prompt per request (got {len(p)}): the engine is batch 1", param="prompt")
             p = p[0]
+        if isinstance(p, str):
+            srv.check_text(engine, len(p) + len(body.suffix or ""), "prompt")
         if body.suffix is not None:
             if not isinstance(p, str):
                 raise APIError("suffix (fill in the middle) needs a text prompt", param="suffix")
-            ids = prompts.fim(tok, p, body.suffix)
+            ids = await offload.run(prompts.fim, tok, p, body.suffix)
         else:
-            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            ids = await offload.run(tok.encode, p) if isinstance(p, str) else list(p)
         if body.echo and body.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")
@@ -304,10 +329,11 @@ def create_app(server: Server) -> FastAPI:
         body = await parse(request, ChatRequest)
         srv.check_openai(body)
         engine, tok = srv.ready()
+        srv.check_text(engine, sum(len(m.text()) for m in body.messages), "messages")
         tools = ToolUse(body.tools, body.tool_choice, body.parallel_tool_calls, tok.chat_template)
         messages = template_messages(body.messages)
         try:
-            ids = tok.encode_chat(messages, **tools.template_kwargs())
+            ids = await offload.run(functools.partial(tok.encode_chat, messages, **tools.template_kwargs()))
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
         n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))

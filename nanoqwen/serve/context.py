@@ -16,14 +16,15 @@ def overflow(context: int, prompt_tokens: int) -> APIError:
 
 
 def fit(engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
-    """``max_tokens`` clamped to the room left (all of it when None). The last new token is never fed
-    back, so it may take the position after a full KV cache, within the model's positions."""
+    """``max_tokens`` clamped to the room left (all of it when None; 0 prefills the prompt only, kept for
+    prefix reuse). The last new token is never fed back, so it may take the position after a full KV
+    cache, within the model's positions."""
     room = min(engine.context + 1, engine.dims.max_positions) - len(prompt)
     if prompt and room < 1:
         raise overflow(engine.context, len(prompt))
     n = room if max_tokens is None else min(max_tokens, room)
     try:
-        check_request(engine.dims, prompt, n, engine.context)
+        check_request(engine.dims, prompt, max(n, 1), engine.context)   # 0: prefill only (the engine still makes one)
     except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
         raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
                        param=param) from None

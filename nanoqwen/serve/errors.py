@@ -6,6 +6,7 @@ share APIError) run without fastapi installed."""
 from __future__ import annotations
 
 import json
+import re
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -36,22 +37,57 @@ def validation(exc) -> APIError:
 async def parse(request, model):
     """The JSON body as ``model``, whatever the Content-Type says (curl -d sends form encoding)."""
     from pydantic import ValidationError
-    body = await request.body()
+    from starlette.requests import ClientDisconnect
     try:
-        data = json.loads(body)
+        body = await request.body()
+    except ClientDisconnect:   # gone, or cut off by the read deadline: nobody reads the answer, no traceback
+        raise APIError("the connection closed before the whole body arrived", code="incomplete_body") from None
+    try:
+        data = json.loads(body.decode("utf-8"))   # strict: JSON over HTTP is UTF-8 (RFC 8259)
     except ValueError as e:
         raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError("the body is JSON nested too deep", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(body):
+        _check_unicode(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation(e) from None
 
 
+# A lone surrogate can only arrive as a \u escape (UTF-8 cannot encode one); the rare body that has such
+# escapes (emoji written as surrogate pairs, too) is walked to find an unpaired one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(data) -> None:
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo += [*x.keys(), *x.values()]
+        elif isinstance(x, list):
+            todo += x
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(f"the body holds a lone surrogate ({x[e.start]!r}), which is not text",
+                               code="invalid_json") from None
+
+
 def _http(_request, exc):
     return APIError(str(exc.detail), status=exc.status_code).response()
+
+
+def _fault(_request, exc):
+    """Whatever escaped a route (a bug): still OpenAI's object, never a plain-text 500."""
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, code="internal_error").response()
 
 
 def install(app) -> None:
     from starlette.exceptions import HTTPException
     app.add_exception_handler(APIError, lambda _r, e: e.response())
     app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(Exception, _fault)

@@ -1,7 +1,10 @@
-"""Request fields outside a request model's own: the one list of those accepted and ignored, because
-they change nothing in this server's answer, and of those accepted only at their neutral value (a
-sampler or feature this server does not have: any other value is a 400 naming the field). Every other
-unknown field is a 400 naming it, so that nothing a client asks for is dropped silently."""
+"""Fields outside a model's own. Requests: the one list of fields accepted and ignored, because they
+change nothing in this server's answer, and of those accepted only at their neutral value (a sampler or
+feature this server does not have: any other value is a 400 naming the field); every other unknown field
+is a 400 naming it, so that nothing a client asks for is dropped silently. Responses: llama-server's
+``response_fields``: a client (llama.vim) names the fields of the response it reads, nested ones by their
+path; the response then holds only those, each under the name it was asked by (``"timings/prompt_n"`` is
+a top-level key). A field that does not exist is left out, as in llama-server."""
 
 from __future__ import annotations
 
@@ -49,3 +52,18 @@ class Checked(BaseModel):
                     raise APIError(f"{key} is not supported (only its neutral value {NEUTRAL[key]!r})", param=key)
                 raise APIError(f"unknown field {key!r}: this server neither honours nor ignores it", param=key)
         return data
+
+
+def response_fields(obj: dict, paths: list[str]) -> dict:
+    if not paths:
+        return obj
+    out = {}
+    for path in paths:
+        value = obj
+        for key in path.split("/"):
+            if not (isinstance(value, dict) and key in value):
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out

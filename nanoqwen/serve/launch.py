@@ -26,7 +26,8 @@ class ServerProcess:
                  env: dict | None = None, timeout: float = 180):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
+        inherited = {k: v for k, v in os.environ.items() if k != "NANOQWEN_API_KEY"}   # a key only when given
+        env = dict(inherited, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
                    **(env or {}))
         self.log = open(Path(log_dir) / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model),

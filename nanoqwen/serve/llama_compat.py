@@ -14,10 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
-from . import prompts
+from . import offload, prompts
 from .context import fit
 from .cutoffs import Cutoff
 from .errors import APIError, parse
+from .fields import response_fields
 from .sampling import SamplingFields
 from .schemas import ExtraFile, Message
 from .sse import SSE_HEADERS, frame
@@ -31,17 +32,17 @@ FIM_TOKENS = {"prefix": prompts.FIM_PREFIX, "suffix": prompts.FIM_SUFFIX, "middl
 class NativeFields(SamplingFields):
     """The fields /completion and /infill share (llama-server's names; greedy by default)."""
     model: str | None = None   # any name: the one served model answers
-    n_predict: int = Field(-1, ge=-1)   # -1: until the context is full; 0: only cache the prompt
+    n_predict: int = Field(-1, ge=-1)   # -1: until the context is full; 0: prefill only (a cache warm-up)
     stream: bool = False
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-1)   # llama-server's -1: a fresh seed
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: list[str] = []
     n_probs: int = Field(0, ge=0, le=20)
     n_cmpl: int = Field(1, ge=1, le=8)      # completions of one prompt, generated one after another
     n_indent: int = Field(0, ge=0)
     t_max_predict_ms: int = Field(0, ge=0)
-    response_fields: list[str] | None = None
+    response_fields: list[str] = []
     ignore_eos: bool = False
     lora: list | None = None
 
@@ -89,36 +90,20 @@ def _probabilities(item) -> dict:
             "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in top]}
 
 
-def _pick(obj: dict, paths: list[str] | None) -> dict:
-    """llama-server's response_fields: only these, each under its "a/b" path as a flat key."""
-    if paths is None:
-        return obj
-    out = {}
-    for path in paths:
-        node = obj
-        for key in path.split("/"):
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is not None:
-            out[path] = node
-    return out
-
-
 async def run(srv, request: Request, body: NativeFields, engine, ids: list[int]):
     """One /infill or /completion request over ``ids``: the whole reply (a list with n_cmpl > 1) or
     its SSE stream."""
     _refuse(body)
-    warm = body.n_predict == 0   # llama.vim's and llama.vscode's prefetch: cache the prompt, return nothing
-    n = fit(engine, ids, 1 if warm else (None if body.n_predict < 0 else body.n_predict), "n_predict")
+    n = fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
     settings = generation_settings(srv, engine, body)
 
     def job(i: int) -> Job:
-        seeded = body.model_copy(update={"seed": None if body.seed in (None, -1) else body.seed + i})
+        seeded = body.model_copy(update={"seed": None if body.seed is None else (body.seed + i) % (1 << 64)})
         return srv.submit(request, Job(ids, n, srv.sampling(seeded), body.stop, body.n_probs or None,
                                        Cutoff(body.n_indent, body.t_max_predict_ms)))
 
     def final(done: Done, content: str, probs: list, index: int = 0) -> dict:
-        prompt_n, gen_n = len(ids) - done.cached_tokens, 0 if warm else done.completion_tokens
-        content = "" if warm else content
+        prompt_n, gen_n = len(ids) - done.cached_tokens, done.completion_tokens
         obj = {"index": index, "content": content, "tokens": [], "id_slot": 0, "stop": True,
                "model": srv.model_id, "tokens_predicted": gen_n, "tokens_evaluated": len(ids),
                "generation_settings": settings, "prompt": "", "has_new_line": "\n" in content,
@@ -133,7 +118,7 @@ async def run(srv, request: Request, body: NativeFields, engine, ids: list[int])
                            "predicted_per_second": (gen_n - 1) / done.decode_s if done.decode_s else 0.0}}
         if body.n_probs:
             obj["completion_probabilities"] = [_probabilities(p) for p in probs]
-        return _pick(obj, body.response_fields)
+        return response_fields(obj, body.response_fields)
 
     if not body.stream:
         out = []
@@ -151,7 +136,7 @@ async def run(srv, request: Request, body: NativeFields, engine, ids: list[int])
             async with aclosing(srv.events(streaming)) as events:
                 async for ev in events:
                     if isinstance(ev, Token):
-                        if (ev.text or ev.logprobs) and not warm:
+                        if ev.text or ev.logprobs:
                             obj = {"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]}
                             if ev.logprobs:
                                 obj["completion_probabilities"] = [_probabilities(ev.logprobs)]
@@ -168,17 +153,21 @@ def install(app, srv) -> None:
     async def infill(request: Request):
         body = await parse(request, InfillRequest)
         engine, tok = srv.ready()
-        ids = prompts.repo_fim(tok, [(f.filename, f.text) for f in body.input_extra],
-                               body.input_prefix + body.prompt, body.input_suffix)
+        srv.check_text(engine, sum(len(f.filename) + len(f.text) for f in body.input_extra) + len(body.input_prefix)
+                       + len(body.prompt) + len(body.input_suffix), "input_extra" if body.input_extra else "input_prefix")
+        ids = await offload.run(prompts.repo_fim, tok, [(f.filename, f.text) for f in body.input_extra],
+                                body.input_prefix + body.prompt, body.input_suffix)
         return await run(srv, request, body, engine, ids)
 
     async def completion(request: Request):
         body = await parse(request, NativeCompletionRequest)
         engine, tok = srv.ready()
-        p = body.prompt
-        ids = tok.encode(p) if isinstance(p, str) else \
-            [i for part in p for i in (tok.encode(part) if isinstance(part, str) else [part])]
-        return await run(srv, request, body, engine, ids)
+        parts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        srv.check_text(engine, sum(len(p) if isinstance(p, str) else 1 for p in parts), "prompt")
+
+        def encode() -> list[int]:   # text parts are tokenized, ids taken as they are (llama-server's mixed form)
+            return [i for p in parts for i in (tok.encode(p) if isinstance(p, str) else [p])]
+        return await run(srv, request, body, engine, await offload.run(encode))
     for path in ("/completion", "/completions"):   # llama-server answers on both
         app.post(path)(completion)
 

@@ -1,6 +1,6 @@
 """Prompt layouts of Qwen2.5-Coder (DESIGN.md section 10), built as token ids: the special tokens are
-spliced in by id and only the user's text goes through the tokenizer, so an editor buffer that happens to
-contain ``<|fim_middle|>`` cannot change the layout.
+spliced in by id and the user's text is encoded as text (``Tokenizer.encode_text``), so an editor buffer
+that happens to contain ``<|fim_middle|>`` cannot change the layout.
 
     fill in the middle:  <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>
     repository level:    <|repo_name|>{name}\\n<|file_sep|>{path}\\n{text} ... <|file_sep|>{path}\\n<|fim_prefix|>...
@@ -34,7 +34,7 @@ def _special(tok, token: str, what: str) -> int:
 
 def fim(tok, prefix: str, suffix: str, what: str = "suffix") -> list[int]:
     ids = [_special(tok, t, what) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)]
-    return [ids[0], *tok.encode(prefix), ids[1], *tok.encode(suffix), ids[2]]
+    return [ids[0], *tok.encode_text(prefix), ids[1], *tok.encode_text(suffix), ids[2]]
 
 
 def repo_fim(tok, files: list[tuple[str, str]], prefix: str, suffix: str) -> list[int]:
@@ -43,11 +43,11 @@ def repo_fim(tok, files: list[tuple[str, str]], prefix: str, suffix: str) -> lis
     head: list[int] = []
     rep, sep = tok.token_to_id(REPO_NAME), tok.token_to_id(FILE_SEP)
     if files and rep is not None and sep is not None:
-        head = [rep, *tok.encode(f"{REPO_PLACEHOLDER}\n")]
+        head = [rep, *tok.encode_text(f"{REPO_PLACEHOLDER}\n")]
         for name, text in files:
-            head += [sep, *tok.encode(f"{name}\n{text}")]
-        head += [sep, *tok.encode(f"{FILE_PLACEHOLDER}\n")]
+            head += [sep, *tok.encode_text(f"{name}\n{text}")]
+        head += [sep, *tok.encode_text(f"{FILE_PLACEHOLDER}\n")]
     else:
         for _name, text in files:
-            head += tok.encode(text)
+            head += tok.encode_text(text)
     return head + fim(tok, prefix, suffix, "/infill")

@@ -6,6 +6,8 @@ the routes."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from .errors import APIError
@@ -24,7 +26,7 @@ class Sampled(SamplingFields):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -43,7 +45,7 @@ class Sampled(SamplingFields):
 class CompletionRequest(Sampled):
     prompt: str | list[int] | list[str] | list[list[int]]
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)   # 0: prefill only, kept for prefix reuse (OpenAI allows it)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -55,7 +57,7 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # what the chat template renders
     content: str | list[ContentPart] | None = None
     tool_calls: list[dict] | None = None   # an assistant turn's calls (serve/tools.py)
     tool_call_id: str | None = None        # a tool turn's answer to one of them

@@ -156,18 +156,13 @@ class ToolStream:
         return out
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-
-
 def template_messages(messages) -> list[dict]:
     """The request's messages as the chat template reads them: text content, OpenAI's "developer" as
     "system", assistant tool calls with their arguments as objects (the template writes them with
-    tojson), tool results as role "tool". Another role is a 400: the template would drop it silently."""
+    tojson), tool results as role "tool"."""
     out = []
     for m in messages:
-        if m.role not in ROLES:
-            raise APIError(f"messages: unknown role {m.role!r} (one of {', '.join(ROLES)})", param="messages")
-        msg = {"role": ROLES[m.role], "content": m.text()}
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             msg["tool_calls"] = [_history_call(c) for c in m.tool_calls]
         if m.tool_call_id is not None:

@@ -179,7 +179,7 @@ class Worker:
         m.running.set(1)
         t0 = time.perf_counter()
         try:
-            gen = engine.generate(job.prompt, job.max_tokens, job.sampling, logits=want_logits)
+            gen = engine.generate(job.prompt, max(job.max_tokens, 1), job.sampling, logits=want_logits)
             for item in gen:
                 tok, logits = item if want_logits else (item, None)
                 now = time.perf_counter()
@@ -188,7 +188,10 @@ class Worker:
                     m.ttft.observe(now - job.received)
                 else:
                     m.itl.observe(now - t_prev)
-                t_prev, n = now, n + 1
+                t_prev = now
+                if job.max_tokens == 0:   # prefill only: the one token an engine makes is never fed back,
+                    break                 # so the sequence it keeps for reuse is exactly the prompt
+                n += 1
                 if job.cancelled.is_set():
                     finish = "cancelled"
                     break

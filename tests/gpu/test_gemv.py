@@ -1,4 +1,5 @@
-"""INT4 GEMV kernels on the GPU against numpy, for every variant and every 7B / tiny-model shape.
+"""INT4 GEMV kernels on the GPU against numpy, for every variant and every 7B / tiny-model shape; the
+multi-row kernels (m = 1, 2, 3, 4, 8, 16) row by row against the m = 1 kernel, bit for bit.
 
 Fresh random data each run (random int4 in [-7, 7], random positive fp16 scales, random x; never zeros).
 The reference is the exact dequantized weight (quant.dequantize: q * f32(scale)) times the fp16
@@ -116,3 +117,126 @@ def test_pdl_chain_in_graph_sees_previous_output(model):
     for b in [*bufs.values(), y]:
         b.free()
     s.close()
+
+
+# ---- the multi-row step: every row bitwise the m = 1 kernel on that row alone ----------------------------
+
+MULTIROW_MS = (1, 2, 3, 4, 8, 16)   # the buckets, plus 3 (not a power of two)
+
+
+class RowsCase:
+    """One role's weights with m rows of random activations (fresh each run), run through the m-row kernel
+    and, row by row, through the m = 1 kernel; `massive` plants Qwen2-style massive activations in those
+    rows only (the others stay ordinary)."""
+
+    def __init__(self, spec1, specm, rng, massive_rows=()):
+        self.spec1, self.specm, m = spec1, specm, specm.m
+        n, k = spec1.n, spec1.k
+        self.bufs = []
+        self.weights, mats = {}, []
+        for i in range(spec1.mats):
+            packed, scales, w = random_int4(rng, n, k)
+            self.weights[f"w{i}"], self.weights[f"s{i}"] = self._dev(packed), self._dev(scales)
+            mats.append(w)
+        self.host = {}
+        if spec1.norm:
+            h = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+            norm_w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
+            if massive_rows:   # x = f16(h / rms * w) saturates to +-65504 in those rows only
+                big = rng.choice(k, 4, replace=False)
+                norm_w[big] = 4096.0
+                h[:, big] *= 1e-3   # ordinary rows: x stays ordinary (|x| < 2^8: no prescale) at those inputs
+                for a in massive_rows:
+                    h[a, big] = rng.choice([-1e5, 1e5], 4)
+            self.host["h"], self.shared = h, {"norm_w": self._dev(norm_w)}
+            x = R.rmsnorm_f16(h, norm_w, spec1.eps)
+        else:
+            x = rng.standard_normal((m, k)).astype(np.float16)
+            for a in massive_rows:
+                x[a, rng.choice(k, 4, replace=False)] = rng.choice([-65504.0, 65504.0], 4)
+            self.host["x"], self.shared = x, {}
+        ys = [R.gemv(w, x) for w in mats]   # [m, n] each
+        self.out_dtype = np.float16 if spec1.out_f16 else np.float32
+        self.y0 = None
+        if spec1.epilogue == "residual":
+            self.y0 = rng.standard_normal((m, n)).astype(np.float32)
+            ref = self.y0 + ys[0]
+        elif spec1.epilogue == "bias":
+            bias = rng.standard_normal(n).astype(np.float16)
+            self.shared["bias"] = self._dev(bias)
+            ref = ys[0] + bias.astype(np.float32)
+        elif spec1.epilogue == "swiglu":
+            ref = R.swiglu(ys[0], ys[1])
+        else:
+            ref = ys[0]
+        self.expected = R.f16(ref) if spec1.out_f16 else ref
+
+    def _dev(self, a):
+        b = driver.DeviceBuffer.from_array(np.ascontiguousarray(a))
+        self.bufs.append(b)
+        return b
+
+    def run(self, fn, spec, rows: slice) -> np.ndarray:
+        """Launch `spec` on activation rows `rows` (poisoned output, or the residual's y0), return [rows, n]."""
+        name = "h" if spec.norm else "x"
+        act = self._dev(self.host[name][rows])
+        y = driver.DeviceBuffer(spec.m * spec.n * np.dtype(self.out_dtype).itemsize)
+        self.bufs.append(y)
+        if self.y0 is not None:
+            y.upload(self.y0[rows])
+        else:
+            y.poison()
+        fn.launch(spec.launch(), None, False, **self.weights, **self.shared, **{name: act}, y=y)
+        driver.device().synchronize()
+        return y.download(dtype=self.out_dtype, shape=(spec.m, spec.n))
+
+    def free(self):
+        for b in self.bufs:
+            b.free()
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16 if a.dtype == np.float16 else np.uint32)
+
+
+MULTIROW_CASES = [(model, role, m) for model in MODELS for role in gemv.ROLES for m in MULTIROW_MS]
+
+
+@pytest.fixture(scope="module")
+def multirow_fns():
+    specs = list(dict.fromkeys(gemv.role_spec(role, MODELS[model], CFG, m=m) for model, role, m in MULTIROW_CASES))
+    return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
+
+
+def _check_rows(multirow_fns, model, role, m, massive_rows=()):
+    dims = MODELS[model]
+    spec1, specm = gemv.role_spec(role, dims, CFG), gemv.role_spec(role, dims, CFG, m=m)
+    case = RowsCase(spec1, specm, np.random.default_rng(), massive_rows)
+    try:
+        many = case.run(multirow_fns[specm], specm, slice(0, m))
+        for a in range(m):
+            alone = case.run(multirow_fns[spec1], spec1, slice(a, a + 1))[0]
+            assert np.isfinite(many[a]).all(), f"{specm.uri}: row {a} has non-finite outputs"
+            assert np.array_equal(_bits(many[a]), _bits(alone)), (
+                f"{specm.uri}: row {a} differs from the m = 1 kernel in {np.count_nonzero(many[a] != alone)} "
+                f"of {spec1.n} outputs")
+            tol = 2 * TOL if a in massive_rows else TOL   # see test_massive_activations_stay_finite_and_exact
+            err = rel_err(many[a], case.expected[a])
+            assert err <= tol, f"{specm.uri}: row {a}: rel err {err:.3e} > {tol}"
+    finally:
+        case.free()
+
+
+@pytest.mark.parametrize("model,role,m", MULTIROW_CASES, ids=[f"{a}-{b}-m{c}" for a, b, c in MULTIROW_CASES])
+def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, role, m):
+    """Each row of the m-row kernel equals the m = 1 kernel run on that row alone, bit for bit, and the
+    numpy reference within the GEMV tolerance."""
+    _check_rows(multirow_fns, model, role, m)
+
+
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, role, m):
+    """A row with massive activations prescales itself alone: the ordinary rows beside it (and the massive
+    row itself) stay bitwise their m = 1 outputs."""
+    _check_rows(multirow_fns, "7b", role, m, massive_rows=(1,))

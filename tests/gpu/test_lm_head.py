@@ -16,6 +16,8 @@ and a partial last column (hidden 896).
   give token 0 and ERR_NO_FINITE_LOGIT.
 - State: consecutive launches advance pos/step by one each and fill tokens_out; a captured CUDA graph of
   embed + lm_head_argmax (PDL edge) replayed 5 + 5 times follows a planted token chain on the device.
+- Multi-row (m = 1, 2, 3, 4, 8, 16): every row's logits bitwise the m = 1 kernel's on that row alone, its
+  token the m = 1 token (ties included), tokens in tokens_out[0..m), the state untouched.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class LmHead:
         self.norm_w = np.clip(1 + 0.1 * self.rng.standard_normal(k, dtype=np.float32), 0.5, 1.5).astype(np.float16)
         self.w32 = self.w.astype(np.float32)  # the reference's operand, converted once
         self.buf = {name: driver.DeviceBuffer(nbytes) for name, nbytes in (
-            ("h", 4 * k), ("norm_w", 2 * k), ("lm_head", 2 * n * k), ("logits", 4 * n), ("state", 16),
+            ("h", 4 * k * spec.m), ("norm_w", 2 * k), ("lm_head", 2 * n * k), ("logits", 4 * n * spec.m), ("state", 16),
             ("tokens_out", 4 * tokens_cap), ("partials", spec.partials_bytes), ("argmax_done", 4), ("err", 4))}
         self.buf["lm_head"].upload(self.w)
         self.buf["norm_w"].upload(self.norm_w)
@@ -91,9 +93,10 @@ class LmHead:
 
     def args(self, logits: bool = True) -> dict:
         b = self.buf
-        return dict(h=b["h"], norm_w=b["norm_w"], lm_head=b["lm_head"], logits=b["logits"] if logits else 0,
+        args = dict(h=b["h"], norm_w=b["norm_w"], lm_head=b["lm_head"], logits=b["logits"] if logits else 0,
                     state=b["state"], tokens_out=b["tokens_out"], tokens_cap=self.tokens_cap,
                     partials=b["partials"], argmax_done=b["argmax_done"], err=b["err"])
+        return {name: args[name] for name, _ in self.spec.signature}   # m > 1 takes no decode state
 
     def launch(self, h: np.ndarray, logits: bool = True, pdl: bool = False) -> None:
         self.stream.synchronize()
@@ -104,7 +107,8 @@ class LmHead:
     def read(self) -> dict:
         self.stream.synchronize()
         b = self.buf
-        return dict(logits=b["logits"].download(dtype=np.float32, shape=(self.spec.vocab,)),
+        m, vocab = self.spec.m, self.spec.vocab
+        return dict(logits=b["logits"].download(dtype=np.float32, shape=(m, vocab) if m > 1 else (vocab,)),
                     state=b["state"].download(dtype=np.int32, shape=(4,)),
                     tokens=b["tokens_out"].download(dtype=np.int32, shape=(self.tokens_cap,)),
                     err=int(b["err"].download(dtype=np.uint32, shape=(1,))[0]))
@@ -360,5 +364,80 @@ def test_bandwidth_7b(fns):
             gbs = spec.vocab * spec.hidden * 2 / (us * 1e-6) / 1e9
             print(f"\nlm_head_argmax 7B (pdl={pdl}): {us:.1f} us/launch, {gbs:.0f} GB/s of fp16 weights")
             assert gbs > 2100, f"{gbs:.0f} GB/s"
+    finally:
+        lm.close()
+
+
+# ---- the multi-row step: m rows against one read of the head, each bitwise the m = 1 kernel ------------
+
+MULTIROW_MS = (1, 2, 3, 4, 8, 16)
+MULTIROW_DIMS = {"7b": QWEN25_7B, "tiny": DIMS["tiny"]}
+
+
+@pytest.fixture(scope="module")
+def multirow_fns():
+    specs = list(dict.fromkeys(L.model_spec(d, CFG, m=m) for d in MULTIROW_DIMS.values() for m in MULTIROW_MS))
+    return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
+
+
+@pytest.mark.parametrize("m", MULTIROW_MS)
+@pytest.mark.parametrize("model", list(MULTIROW_DIMS))
+def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, m):
+    """m random rows of h (fresh each run), one of them a copy of another and, for m > 2, one with a planted
+    winner tied across two vocab rows: every row's logits are bitwise the m = 1 kernel's on that row alone
+    and its token is the m = 1 token (the lowest index on the tie); tokens land in tokens_out[0..m), no
+    state is advanced, and the logits match the reference."""
+    dims = MULTIROW_DIMS[model]
+    one_spec, spec = L.model_spec(dims, CFG), L.model_spec(dims, CFG, m=m)
+    one, many = LmHead(one_spec, multirow_fns[one_spec]), LmHead(spec, multirow_fns[spec], tokens_cap=16)
+    try:
+        many.norm_w[:] = one.norm_w
+        many.buf["norm_w"].upload(many.norm_w)
+        many.set_weights(one.w)
+        hs = one.rng.standard_normal((m, dims.hidden), dtype=np.float32)
+        if m > 1:
+            hs[-1] = hs[0]   # two identical rows: identical outputs, whatever their slots
+        if m > 2:
+            h, v = one.planted()
+            lo, hi = np.sort(one.rng.choice(dims.vocab, 2, replace=False))
+            one.set_rows([lo, hi], np.stack([v, v]))
+            many.set_weights(one.w)
+            hs[1] = h
+        many.reset(state=(5, 6, 0, 8))
+        many.launch(hs, pdl=True)
+        out = many.read()
+        logits = out["logits"].reshape(m, dims.vocab)
+        for a in range(m):
+            one.reset()
+            one.launch(hs[a])
+            alone = one.read()
+            assert np.array_equal(logits[a].view(np.uint32), alone["logits"].view(np.uint32)), (
+                f"{spec.uri}: row {a}: {np.count_nonzero(logits[a] != alone['logits'])} logits differ from m = 1")
+            assert out["tokens"][a] == alone["state"][0], f"{spec.uri}: row {a} token differs from m = 1"
+            check_logits(one, dict(logits=logits[a]), one.reference(hs[a]), f"{spec.uri} row {a}")
+        if m > 2:
+            assert out["tokens"][1] == lo, f"tie between rows {lo} and {hi}: the lowest index must win"
+        assert (out["tokens"][m:] == POISON_I32).all()
+        if m > 1:
+            np.testing.assert_array_equal(out["state"], [5, 6, 0, 8])   # untouched: no state parameter
+            assert out["tokens"][m - 1] == out["tokens"][0]
+        else:
+            np.testing.assert_array_equal(out["state"], [out["tokens"][0], 7, 1, 8])   # decode's advance
+        assert out["err"] == 0
+    finally:
+        one.close()
+        many.close()
+
+
+def test_multirow_tokens_out_too_small_sets_the_flag(multirow_fns):
+    """m = 4 rows into a 2-token tokens_out: rows 0, 1 written, ERR_TOKENS_OUT_FULL set, nothing past it."""
+    spec = L.model_spec(DIMS["tiny"], CFG, m=4)
+    lm = LmHead(spec, multirow_fns[spec], tokens_cap=2)
+    try:
+        lm.reset()
+        lm.launch(lm.rng.standard_normal((4, spec.hidden), dtype=np.float32))
+        out = lm.read()
+        assert out["err"] == L.ERR_TOKENS_OUT_FULL
+        assert (out["tokens"] == np.argmax(out["logits"], axis=1)[:2]).all()
     finally:
         lm.close()

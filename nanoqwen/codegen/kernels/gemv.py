@@ -1,18 +1,21 @@
-"""INT4 GEMV family (templates/gemv_int4.cu.j2): y = W x for batch-1 decode, with the epilogues and the
-RMSNorm prologue the decoder layer fuses (DESIGN.md section 5, kernel plan 1, 3, 4, 5).
+"""INT4 GEMV family (templates/gemv_int4.cu.j2): y = W x for decode, with the epilogues and the RMSNorm
+prologue the decoder layer fuses (DESIGN.md section 5, kernel plan 1, 3, 4, 5), over m = 1..16 activation
+rows that share each weight read (the multi-row step, DESIGN.md section 12). Every row of an m-row kernel
+is bitwise the m = 1 kernel's output for that row, given the same lanes and splitk (``multirow_spec``).
 
 Kernel parameters, in order (``kernel_params``; the C++ list and the launch packing are generated from it):
   w0, s0            packed uint32 [N, K/8] and fp16 scales [N, K/group] (gate for SwiGLU)
   w1, s1            SwiGLU only: the up weights and scales
-  h, norm_w         norm=True: fp32 residual h [K] and fp16 norm weight [K] (x = f16(rmsnorm(h) * w))
-  x                 norm=False: fp16 activations [K]
+  h, norm_w         norm=True: fp32 residual h [m, K] and fp16 norm weight [K] (x = f16(rmsnorm(h) * w))
+  x                 norm=False: fp16 activations [m, K]
   bias              epilogue "bias": fp16 [N]
-  y                 output [N]: fp32 (or fp16 when out_f16); "residual": fp32 h updated in place, h += W x
+  y                 output [m, N]: fp32 (or fp16 when out_f16); "residual": fp32 h updated in place, h += W x
 A parameter the variant does not take is a null constant in its source (Param.null_constant).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ... import config, quant
@@ -21,6 +24,8 @@ from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
+MAX_M = config.MAX_ROWS                         # activation rows of the multi-row step
+SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
 
 
@@ -28,7 +33,7 @@ VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast pat
 class GemvInt4Spec(KernelSpec):
     family = "gemv_int4"
     template = "gemv_int4.cu.j2"
-    uri_fields = ("epilogue", "n", "k", "norm", "rows", "lanes", "warps", "tiles_per_warp", "splitk")
+    uri_fields = ("epilogue", "n", "k", "norm", "rows", "lanes", "warps", "tiles_per_warp", "splitk", "m")
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
@@ -44,6 +49,7 @@ class GemvInt4Spec(KernelSpec):
     tiles_per_warp: int = 1        # tiles each warp walks in turn (x staged once per CTA)
     unroll: int = 0                # chunk iterations per load batch (0 = all of them: one batch per tile)
     splitk: int = 1                # K splits across blockIdx.y (residual epilogue only)
+    m: int = 1                     # activation rows sharing each weight read (1..16; the multi-row step)
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -76,6 +82,20 @@ class GemvInt4Spec(KernelSpec):
         """CTAs along x: each of the WARPS warps of a CTA walks tiles_per_warp tiles."""
         return -(-self.tiles // (self.warps * self.tiles_per_warp))
 
+    @property
+    def xs_bytes(self) -> int:
+        """Shared memory of the staged x rows: m rows of iters * lanes 64-byte chunks."""
+        return self.m * self.iters * self.lanes * 64
+
+    @property
+    def xs_dynamic(self) -> bool:
+        """m > 1 stages x in dynamic shared memory (up to 160 KB at m = 16); m = 1 keeps today's static array."""
+        return self.m > 1
+
+    def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
+        """CTAs per SM the staged x allows (m = 1: not the limit, reported as the shared-memory bound too)."""
+        return max(1, gpu.max_smem // (self.xs_bytes + SMEM_MARGIN))
+
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
         swiglu = self.epilogue == "swiglu"
@@ -90,6 +110,13 @@ class GemvInt4Spec(KernelSpec):
     @property
     def kernel_params(self) -> tuple[Param, ...]:
         return tuple(p for p, taken in self._family_params() if taken)
+
+    def io_bytes(self) -> int:
+        """Activation bytes one call moves beside the weights, for all m rows: x (or h + the norm weight),
+        bias, y (read + write for the residual)."""
+        x = self.m * self.k * 4 + self.k * 2 if self.norm else self.m * self.k * 2
+        y = self.m * self.n * (2 if self.out_f16 else 4) * (2 if self.epilogue == "residual" else 1)
+        return x + y + (2 * self.n if self.epilogue == "bias" else 0)
 
     def weight_bytes(self) -> int:
         """Bytes of packed weights + scales one call reads (the bandwidth numerator)."""
@@ -131,6 +158,11 @@ class GemvInt4Spec(KernelSpec):
             raise SpecError(f"{f}: the residual stream is fp32 (out_f16 must be False)")
         if self.unroll < 0 or self.iters % self.unroll_eff:
             raise SpecError(f"{f}.unroll={self.unroll} must divide the {self.iters} chunk iterations per lane")
+        if not 1 <= self.m <= MAX_M:
+            raise SpecError(f"{f}.m must be 1..{MAX_M} activation rows, got {self.m}")
+        if self.xs_bytes > DEFAULT.max_smem:
+            raise SpecError(f"{f}: m={self.m} rows of x need {self.xs_bytes} bytes of shared memory > "
+                            f"{DEFAULT.max_smem}")
         if not 0 < self.eps < 1:
             raise SpecError(f"{f}.eps must be in (0, 1), got {self.eps}")
         loads = self.mats * self.rows * self.unroll_eff
@@ -146,10 +178,16 @@ class GemvInt4Spec(KernelSpec):
         absent = [p.null_constant() for p, taken in self._family_params() if not taken]
         return super().context() | dict(
             unroll_eff=self.unroll_eff, grid_x=self.grid_x, absent_params="\n".join(absent),
+            xs_dynamic=self.xs_dynamic,
+            # when the staged x already allows one CTA per SM, say so: ptxas may then use every register
+            # (without the hint it stopped at 128 and spilled on m = 16 at lanes 32, rows 1)
+            launch_bounds="__launch_bounds__(THREADS, 1)" if self.m > 1 and self.resident_ctas() == 1
+            else "__launch_bounds__(THREADS)",
             cluster_dims="__cluster_dims__(1, SPLITK, 1) " if self.splitk > 1 else "")
 
     def launch(self) -> Launch:
-        return Launch(grid=(self.grid_x, self.splitk, 1), block=(32 * self.warps, 1, 1))
+        return Launch(grid=(self.grid_x, self.splitk, 1), block=(32 * self.warps, 1, 1),
+                      smem=self.xs_bytes if self.xs_dynamic else 0)
 
 
 # ---- the kernels a model needs ---------------------------------------------------------------------
@@ -183,8 +221,10 @@ def _fit(value: int, limit: int) -> int:
     return p
 
 
-def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **override) -> GemvInt4Spec:
-    """The spec of one decoder-layer GEMV, tile parameters from config gemv_int4.<role>."""
+def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: int = 1,
+              **override) -> GemvInt4Spec:
+    """The spec of one decoder-layer GEMV over m rows, tile parameters from config gemv_int4.<role> (m > 1:
+    re-tiled by multirow_spec, every row bitwise the m = 1 kernel's)."""
     cfg = cfg or config.default()
     n, k = role_shape(role, dims)
     tile = getattr(cfg.gemv_int4, role)
@@ -201,12 +241,45 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, **ov
     if spec.unroll and spec.iters % spec.unroll:
         spec = GemvInt4Spec(**{**params, "unroll": 0})
     spec.validate()
-    return spec
+    return multirow_spec(spec, m, cfg)
+
+
+# Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
+# header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest. m rows of x take
+# m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: at least
+# multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid fits in one wave at the
+# residency the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet
+# (nanoqwen-tune covers m = 1); docs/perf-notes.md predicts the costs.
+
+
+def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
+                  gpu: GpuProfile = DEFAULT) -> GemvInt4Spec:
+    """The m-row kernel whose every row is bitwise `spec`'s output for that row (m = 1: `spec` itself)."""
+    if m == spec.m:
+        return spec
+    if spec.m != 1:
+        raise SpecError(f"{spec.family}: multirow_spec derives from an m = 1 spec, got m={spec.m}")
+    out = dataclasses.replace(spec, m=m)
+    if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
+        if spec.splitk == 1:   # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4
+            out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
+        tpw = spec.tiles_per_warp
+        while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
+            tpw += 1
+        out = dataclasses.replace(out, tiles_per_warp=tpw)
+    out.validate()
+    return out
 
 
 def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
     dims.check_quantizable(cfg.quant.group_size)
     return [role_spec(role, dims, cfg) for role in ROLES]
+
+
+def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
+    """The m > 1 kernels of the decoder-layer roles, one per multirow bucket (config multirow.buckets)."""
+    return [multirow_spec(spec, m, cfg, gpu) for spec in specs_for_model(dims, cfg, gpu)
+            for m in cfg.multirow.buckets if m > 1]
 
 
 def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
