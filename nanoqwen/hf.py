@@ -9,7 +9,9 @@ shift, which is exact.
 
 from __future__ import annotations
 
-import json
+import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ import numpy as np
 
 from . import NanoqwenError
 from .dims import ModelDims
+from .safefile import kind, lookup, open_regular, parse_json, read_json
 
 
 class HFError(NanoqwenError):
@@ -36,37 +39,72 @@ class HFTensor:
     offset: int  # absolute byte offset of the data in the shard
 
 
+# safetensors' own bound on the JSON header
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _ints(x, count: int | None = None) -> bool:
+    return isinstance(x, list) and (count is None or len(x) == count) and \
+        all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+
+
 def _read_shard_header(path: Path) -> dict[str, HFTensor]:
-    try:
-        with open(path, "rb") as f:
-            size = path.stat().st_size
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise HFError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (hlen,) = struct.unpack("<Q", raw)
-            if 8 + hlen > size:
-                raise HFError(f"{path}: header length {hlen} exceeds the file size {size} (truncated?)")
-            header = json.loads(f.read(hlen))
-    except OSError as e:
-        raise HFError(f"{path}: cannot read: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFError(f"{path}: invalid safetensors JSON header: {e}") from None
+    """The tensors of one shard, every header field type-checked and every data range inside the file and
+    disjoint from the others, so that reads later cannot go astray."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise HFError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (hlen,) = struct.unpack("<Q", raw)
+        if 8 + hlen > size or hlen > MAX_HEADER_BYTES:
+            raise HFError(f"{path}: header length {hlen} exceeds the file size {size} or the "
+                          f"{MAX_HEADER_BYTES:,}-byte limit (truncated, or not a safetensors file)")
+        header = parse_json(f.read(hlen), f"{path}: safetensors header")
+    if not isinstance(header, dict):
+        raise HFError(f"{path}: safetensors header: must be a JSON object, not {_short(header)}")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise HFError(f"{path}: tensor {name}: malformed header entry {meta!r}") from None
+        where = f"{path}: tensor {name}"
+        if not isinstance(meta, dict):
+            raise HFError(f"{where}: header entry must be an object, not {_short(meta)}")
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
         if dtype not in _DTYPES:
-            raise HFError(f"{path}: tensor {name}: dtype {dtype} is not supported (BF16, F16 or F32)")
-        n = int(np.prod(shape, dtype=np.int64))
-        if end - begin != n * _DTYPES[dtype].itemsize or 8 + hlen + end > size:
-            raise HFError(f"{path}: tensor {name}: data range [{begin}, {end}) does not hold {dtype} {list(shape)} "
+            raise HFError(f"{where}: dtype {_short(dtype)} is not supported (BF16, F16 or F32)")
+        if not _ints(shape):
+            raise HFError(f"{where}: shape {_short(shape)} is not a list of non-negative integers")
+        if not _ints(offsets, 2) or offsets[0] > offsets[1]:
+            raise HFError(f"{where}: data_offsets {_short(offsets)} is not [begin, end] with begin <= end")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize or 8 + hlen + end > size:
+            raise HFError(f"{where}: data range [{begin}, {end}) does not hold {dtype} {list(shape)} "
                           f"inside the {size}-byte file (truncated?)")
-        out[name] = HFTensor(name, path, dtype, shape, 8 + hlen + begin)
+        out[name] = HFTensor(name, path, dtype, tuple(shape), 8 + hlen + begin)
+    ordered = sorted(out.values(), key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + math.prod(a.shape) * _DTYPES[a.dtype].itemsize > b.offset:
+            raise HFError(f"{path}: tensor {b.name}: data_offsets overlap tensor {a.name}")
     return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """tensor name -> shard file name (a plain name in the same directory) of an index.json."""
+    doc = read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise HFError(f"{index}: weight_map: missing or not an object")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise HFError(f"{index}: weight_map: tensor {name}: shard {_short(shard)} is not a file name in "
+                          "the model directory")
+    return weight_map
 
 
 class HFCheckpoint:
@@ -75,21 +113,19 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise HFError(f"{self.path}: not a directory")
+        mode = lookup(self.path)
+        if not stat.S_ISDIR(mode):
+            raise HFError(f"{self.path}: not a directory ({kind(mode)}); a Hugging Face model is a directory")
         self.dims = ModelDims.from_hf_dir(self.path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFError(f"{index}: cannot read weight_map: {e}") from None
+        if os.path.lexists(index):  # lexists: a symlink loop or a FIFO is reported as what it is, not as absent
+            weight_map = _weight_map(index)
             shards = sorted(set(weight_map.values()))
-            absent = [s for s in shards if not (self.path / s).exists()]
+            absent = [s for s in shards if not os.path.lexists(self.path / s)]
             if absent:
                 raise HFError(f"{index}: {len(absent)} shard(s) missing, first {absent[0]}")
-        elif single.exists():
+        elif os.path.lexists(single):
             weight_map, shards = None, ["model.safetensors"]
         else:
             raise HFError(f"{self.path}: neither model.safetensors nor model.safetensors.index.json found")

@@ -7,17 +7,20 @@ Hashing multi-GB shards takes seconds, so each file's digest is memoized under (
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict
 from pathlib import Path
 
-from . import NanoqwenError
+from . import NanoqwenError, interrupt
 from .config import Config, cache_root, default
 from .nqfile import VERSION as FORMAT_VERSION
 from .tokenizer import FILES as TOKENIZER_FILES
 from .progress import Progress
+from .safefile import FileError, kind, lookup
 
 class ModelError(NanoqwenError):
     pass
@@ -62,19 +65,49 @@ def resolve(model: str | Path, cfg: Config | None = None, log=print) -> Path:
 
     cfg = cfg or default()
     model = Path(model)
-    if model.is_file():
+    if is_file(model):
         return model
-    if not model.is_dir():
-        raise ModelError(f"{model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
-    if not (model / "config.json").exists():
+    if not os.path.lexists(model / "config.json"):
         raise ModelError(f"{model}: not a Hugging Face model directory (no config.json)")
     entry = cache_root(cfg.codegen) / "models" / f"{model.resolve().name}-{content_key(model, cfg)[:16]}"
     packed = entry / "model.nanoqwen"
     if not packed.exists():   # the packer writes a temporary and renames: an existing file is complete
         ckpt = HFCheckpoint(model)
-        entry.mkdir(parents=True, exist_ok=True)
-        log(f"packing {model} -> {packed}")
-        bar = Progress(total_source_bytes(ckpt, cfg), "pack")
-        pack_hf(ckpt, packed, progress=bar, cfg=cfg)
-        bar.close()
+        with new_entry(entry):
+            log(f"packing {model} -> {packed}")
+            bar = Progress(total_source_bytes(ckpt, cfg), "pack")
+            pack_hf(ckpt, packed, progress=bar, cfg=cfg)
+            bar.close()
     return packed
+
+
+def is_file(model: str | Path) -> bool:
+    """True for a regular file, False for a directory; anything else (missing, a symlink loop, a FIFO, a device,
+    a denied lookup) is a ModelError saying what it is."""
+    try:
+        mode = lookup(model)
+    except FileError as e:
+        raise ModelError(f"{e} (MODEL is a .nanoqwen file or a HF directory)") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ModelError(f"{model}: not a regular file ({kind(mode)}); MODEL is a .nanoqwen file or a HF directory")
+    return stat.S_ISREG(mode)
+
+
+@contextlib.contextmanager
+def new_entry(entry: Path):
+    """Creates cache directory ``entry`` for a pack into it, and removes it again if the pack fails or is
+    interrupted (when it made it and it is empty: the packer's temporary is already gone), so no empty entry
+    stays behind."""
+    made = not entry.exists()
+    if made:
+        interrupt.register(entry)  # a signal removes it too (after the packer's temporary inside it)
+    entry.mkdir(parents=True, exist_ok=True)
+    try:
+        yield entry
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                entry.rmdir()
+        raise
+    finally:
+        interrupt.unregister(entry)

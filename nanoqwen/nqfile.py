@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import NanoqwenError
+from . import NanoqwenError, interrupt
 from .checksum import ParallelCRC
 from .config import Config, default
 from .dims import DimsError, ModelDims
 from .quant import LAYOUT_ID, LAYOUT_NAME
+from .safefile import FileError, check_replaceable, open_regular
 
 
 class NqFileError(NanoqwenError):
@@ -126,6 +127,9 @@ def _entry_bytes(name: str, ndim: int) -> int:
     return 2 + len(name.encode()) + 2 + 8 * ndim + 8 + 8 + 4
 
 
+_MIN_ENTRY_BYTES = _entry_bytes("", 0)
+
+
 def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
@@ -166,18 +170,24 @@ class Writer:
         self._f = None
 
     def __enter__(self) -> "Writer":
+        check_replaceable(self.path)
+        # Named and registered before it exists, so that a signal at any point after its creation removes it
+        self._tmp = self.path.parent / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        interrupt.register(self._tmp)
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            # 0o666 less the umask, as for any new file (mkstemp's 0600 would become the final file's mode)
+            fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except OSError as e:
+            interrupt.unregister(self._tmp)
             raise NqFileError(f"{self.path}: cannot create a file in {self.path.parent}: {e.strerror}") from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would otherwise become the final file's mode
-        self._tmp = Path(tmp)
-        self._f = os.fdopen(fd, "wb")
-        self._f.seek(self._data_offset)
-        for name, data in self.blobs.items():
-            self._write(name, BYTES, np.frombuffer(data, np.uint8), (len(data),))
+        try:
+            self._f = os.fdopen(fd, "wb")
+            self._f.seek(self._data_offset)
+            for name, data in self.blobs.items():
+                self._write(name, BYTES, np.frombuffer(data, np.uint8), (len(data),))
+        except BaseException:  # __exit__ is not called when __enter__ fails
+            self._remove_temporary()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -185,10 +195,13 @@ class Writer:
             if exc_type is None:
                 self._finish()
         finally:
-            if not self._f.closed:
-                self._f.close()
-            if self._tmp.exists():
-                self._tmp.unlink()
+            self._remove_temporary()
+
+    def _remove_temporary(self) -> None:
+        if self._f is not None and not self._f.closed:
+            self._f.close()
+        self._tmp.unlink(missing_ok=True)
+        interrupt.unregister(self._tmp)
 
     def add_int4(self, name: str, packed: np.ndarray, scales: np.ndarray) -> None:
         """packed uint32 [N, K/8] (quant.pack) and scales fp16 [N, K/group] (quant.quantize) of weight ``name``."""
@@ -247,6 +260,7 @@ class Writer:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        check_replaceable(self.path)  # again: the packing took a while
         os.replace(self._tmp, self.path)
         dfd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -263,11 +277,13 @@ class NanoqwenFile:
         self.path = Path(path)
         self.cfg = cfg or default()
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            with open_regular(self.path) as f:  # never a FIFO or a device: those would hang or never end
+                size = os.fstat(f.fileno()).st_size
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except FileError as e:
+            raise NqFileError(str(e)) from None
         except OSError as e:
-            raise NqFileError(f"{self.path}: cannot open: {e.strerror}") from None
+            raise NqFileError(f"{self.path}: cannot map: {e.strerror}") from None
         self.size = size
         self.header = self._read_header()
         self.version = self.header["version"]
@@ -312,6 +328,13 @@ class NanoqwenFile:
                        f"{h['data_offset']} do not fit a {self.size}-byte file")
         if h["data_offset"] % ALIGNMENT:
             self._fail("data offset", f"{h['data_offset']} is not {ALIGNMENT}-byte aligned")
+        # a file cannot describe more entries or payload bytes than it holds: checked before either is read
+        if h["entry_count"] > h["table_bytes"] // _MIN_ENTRY_BYTES:
+            self._fail("entry count", f"{h['entry_count']} entries do not fit a {h['table_bytes']}-byte table")
+        need = sum(payload_bytes(t, s) for t, s in self.expected.values())
+        if need > self.size - h["data_offset"]:
+            self._fail("dims", f"the tensors of these dims need {need:,} bytes, the data region holds "
+                       f"{self.size - h['data_offset']:,}")
         return h
 
     def _read_table(self) -> tuple[dict[str, TensorInfo], dict[str, TensorInfo]]:

@@ -10,8 +10,10 @@ model's tokenizer."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import stat
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 from . import NanoqwenError
 from .dims import ModelDims
 from .nqfile import NanoqwenFile
+from .safefile import SIDE_FILE_LIMIT, lookup, parse_json, read_regular
 
 # What a .nanoqwen file stores of a HF directory, as blobs under these names; tokenizer.json is required.
 # Recent transformers save the chat template in chat_template.jinja (which then wins, as in transformers)
@@ -33,25 +36,45 @@ class TokenizerError(NanoqwenError):
 def read_files(model_dir: str | Path) -> dict[str, bytes]:
     """The tokenizer FILES present in a HF directory, by name."""
     d = Path(model_dir)
-    try:
-        return {name: (d / name).read_bytes() for name in FILES if (d / name).is_file()}
-    except OSError as e:
-        raise TokenizerError(f"{e.filename}: cannot read: {e.strerror}") from None
+    files = {name: read_regular(d / name, SIDE_FILE_LIMIT, optional=True) for name in FILES}
+    return {name: data for name, data in files.items() if data is not None}
 
 
 def _parse_json(files: dict[str, bytes], name: str, where: str) -> dict:
-    """An optional JSON file; absent means {}."""
+    """An optional JSON file holding an object; absent means {}."""
     if name not in files:
         return {}
-    try:
-        return json.loads(files[name].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{where}{name}: cannot read: {e}") from None
+    doc = parse_json(files[name], f"{where}{name}")
+    if not isinstance(doc, dict):
+        raise TokenizerError(f"{where}{name}: must hold a JSON object, not a {type(doc).__name__}")
+    return doc
 
 
-def _token_text(tok) -> str | None:
+def _token_text(tok, where: str) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
-    return tok.get("content") if isinstance(tok, dict) else tok
+    text = tok.get("content") if isinstance(tok, dict) else tok
+    if text is not None and not isinstance(text, str):
+        raise TokenizerError(f"{where}: must be a string or an object with a string content, got {tok!r:.60}")
+    return text
+
+
+def _eos_ids(gen: dict, where: str) -> list[int]:
+    """generation_config.json's eos_token_id: one id or a list of ids."""
+    eos = gen.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else [] if eos is None else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError(f"{where}: must be a token id or a list of token ids, got {eos!r:.60}")
+    return ids
+
+
+def _template(template, where: str) -> str | None:
+    """chat_template: a string, or named templates [{"name": "default", "template": ...}, ...]."""
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{where}: must be a string or a list of named templates, got {template!r:.60}")
+    return template
 
 
 def _compile_template(source: str):
@@ -101,20 +124,17 @@ class Tokenizer:
         self.config = _parse_json(files, "tokenizer_config.json", where)
         self.generation_config = _parse_json(files, "generation_config.json", where)
         gen = self.generation_config
-        template = self.config.get("chat_template")
+        template = _template(self.config.get("chat_template"), f"{where}tokenizer_config.json: chat_template")
         if "chat_template.jinja" in files:
             try:
                 template = files["chat_template.jinja"].decode("utf-8")
             except UnicodeDecodeError as e:
                 raise TokenizerError(f"{where}chat_template.jinja: cannot read: {e}") from None
-        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
         self._template = None
-        self.special_tokens = {name: _token_text(self.config.get(name)) for name in
-                               ("bos_token", "eos_token", "pad_token", "unk_token")}
-        eos = gen.get("eos_token_id")
-        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.special_tokens = {name: _token_text(self.config.get(name), f"{where}tokenizer_config.json: {name}")
+                               for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        ids = _eos_ids(gen, f"{where}generation_config.json: eos_token_id")
         if self.special_tokens["eos_token"] is not None:
             ids.append(self._tok.token_to_id(self.special_tokens["eos_token"]))
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
@@ -229,10 +249,10 @@ def load(model: str | Path, override_dir: str | Path | None = None) -> Tokenizer
     validated before anything else, so a bad file reports its own error) or a HF directory; ``override_dir``, a
     HF directory, replaces the tokenizer the model brings (needed where a file stores none: format version 1,
     random weights)."""
-    if override_dir is not None and not (Path(override_dir) / "tokenizer.json").is_file():
+    if override_dir is not None and not os.path.lexists(Path(override_dir) / "tokenizer.json"):
         raise TokenizerError(f"--tokenizer {override_dir}: no tokenizer.json in that directory")
     model = Path(model)
-    if model.is_dir():
+    if stat.S_ISDIR(lookup(model)):
         return Tokenizer(override_dir or model)
     f = NanoqwenFile(model)
     tok = Tokenizer(override_dir) if override_dir is not None else stored(f)

@@ -1,11 +1,16 @@
-"""File surgery for the format tests: flip bytes of one payload, relabel a file's format version."""
+"""File surgery for the format tests: flip bytes of one payload, rewrite header fields (the CRC kept valid, as an
+attacker would), and hostile paths: a FIFO, a symlink loop."""
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
+import threading
+import time
 import zlib
 
-from nanoqwen.nqfile import _CRC_AT, NanoqwenFile
+from nanoqwen.nqfile import _CRC_AT, _HEADER, _HEADER_FIELDS, NanoqwenFile
 
 
 def flip_payload_bytes(path, tensor: str, count: int = 4, start: int = 64, stride: int = 7) -> None:
@@ -20,10 +25,56 @@ def flip_payload_bytes(path, tensor: str, count: int = 4, start: int = 64, strid
             fh.write(bytes([b ^ 0xFF]))
 
 
-def set_version(path, version: int) -> None:
-    """Rewrite the header's format version and its checksum (the version follows the 8-byte magic)."""
+def header(path) -> dict:
+    with open(path, "rb") as fh:
+        return dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(fh.read(_HEADER.size))))
+
+
+def rewrite_header(path, fix_crc: bool = True, **changes) -> None:
+    """Set header fields (by name) and, unless told not to, the header checksum to match."""
+    h = {**header(path), **changes}
+    raw = _HEADER.pack(*(h[k] for k in _HEADER_FIELDS)).ljust(_CRC_AT, b"\0")
     with open(path, "r+b") as fh:
-        header = bytearray(fh.read(_CRC_AT))
-        struct.pack_into("<I", header, 8, version)
-        fh.seek(0)
-        fh.write(header + struct.pack("<I", zlib.crc32(header)))
+        fh.write(raw + (struct.pack("<I", zlib.crc32(raw)) if fix_crc else b""))
+
+
+def set_version(path, version: int) -> None:
+    rewrite_header(path, version=version)
+
+
+def fifo(path):
+    """A FIFO at ``path``. A daemon thread opens its write end (without blocking) after 20 s, so that a reader
+    wrongly blocked in open() wakes up and its test fails instead of hanging the run."""
+    os.mkfifo(path)
+
+    def unblock():
+        time.sleep(20)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # nobody reading (the right outcome), or the test's directory is gone
+            pass
+    threading.Thread(target=unblock, daemon=True).start()
+    return path
+
+
+def symlink_loop(path):
+    """``path`` -> ``path``.b -> ``path``: resolving it fails with ELOOP."""
+    other = path.with_name(path.name + ".b")
+    os.symlink(other, path)
+    os.symlink(path, other)
+    return path
+
+
+def denied(path, monkeypatch):
+    """Make ``path`` unreadable: chmod where that binds; as root (which reads anything), os.open fails the way
+    the kernel would for anyone else."""
+    os.chmod(path, 0)
+    if os.geteuid() == 0:
+        real = os.open
+
+        def fake(p, *args, **kwargs):
+            if os.fspath(p) == os.fspath(path):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(p))
+            return real(p, *args, **kwargs)
+        monkeypatch.setattr(os, "open", fake)
+    return path

@@ -511,3 +511,18 @@ def test_multirow_bench_glue_on_fakes(monkeypatch):
     assert step[16]["x_m1"] == pytest.approx((QWEN25_7B.layers * 4 * 2.5 + 100 * 1.75) / (QWEN25_7B.layers * 4 + 100))
     text = multirow.table(res)
     assert "lm_head   16" in text and "weights-only step, m=16" in text and "goal: m=8 <= 1.25x" in text
+
+
+def test_speculate_bench_edit_cases_and_oracle():
+    """bench/speculate.py: the code-edit workload has 24 cases of the three kinds from the committed source,
+    each prompt ending with the changed copy's first line; the oracle drafter drafts the known continuation."""
+    from nanoqwen.bench import speculate
+    text = (Path(__file__).parent / "data" / "textwrap-cpython-3.11.7.py.txt").read_text()
+    cases = speculate.edit_cases(text)
+    assert len(cases) == 24 and {k for _, k in cases} == {"rename", "argument", "constant"}
+    assert all(p.rstrip().split("\n")[-1].lstrip().startswith("def ") for p, _ in cases)
+    assert any("_v2(" in p for p, k in cases if k == "rename")
+    o = speculate.Oracle([1, 2], [7, 8, 9, 10], k=3)
+    assert o.draft(10) == [7, 8, 9] and o.draft(2) == [7, 8]
+    o.append([7, 8])
+    assert o.draft(10) == [9, 10]

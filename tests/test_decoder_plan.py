@@ -20,6 +20,7 @@ from nanoqwen.pack import pack_random
 from nanoqwen.runtime import decoder as decoder_mod
 from nanoqwen.runtime import memory as memory_mod
 from nanoqwen.runtime import prefill as prefill_mod
+from nanoqwen.runtime import rowstep as rowstep_mod
 from nanoqwen.runtime import state as state_mod
 from nanoqwen.runtime import weights as weights_mod
 from nanoqwen.reference import Reference
@@ -183,9 +184,9 @@ def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambd
     is given (else by_steps), and the Runner over them; ``fn(role, spec)`` makes each kernel."""
     cfg = config.default()
     d = nqfile.dims
-    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod):
+    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod):
         monkeypatch.setattr(mod, "driver", FakeDriver)
-    for mod in (state_mod, decoder_mod, prefill_mod):
+    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod):
         monkeypatch.setattr(mod, "cu", FakeCu)
     specs = decoder_mod.step_specs(d, cfg) | (prefill_mod.prefill_specs(d, cfg) if chunk else {})
     kernels = {role: (spec, fn(role, spec)) for role, spec in specs.items()}
@@ -435,7 +436,7 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     d = nqfile.dims
     assert s.context == 100 and s.kv.layout.num_pages == 20 and s.decoder.graph is None
     assert not s.runner.cache.kept and s.runner.cache.pool.free == 20
-    parts = {"state": s.state.bufs, "decode": s.decoder.bufs, "prefill": s.prefiller.bufs}
+    parts = {"state": s.state.bufs, "decode": s.decoder.bufs, "prefill": s.prefiller.bufs, "rows": s.rows.bufs}
     allocated = {f"{p}.{n}": b[n].nbytes for p, b in parts.items() for n in b.names}
     assert {k: v for k, v in s.device_bytes.items() if k not in ("weights", "kv")} == allocated
     assert s.device_bytes["kv"] == s.kv.layout.total_bytes and s.device_bytes["weights"] == weights_mod.plan(nqfile).nbytes

@@ -1,20 +1,21 @@
 """.nanoqwen writer/reader: round trip, and every corruption is a one-line error naming the file and field."""
 
+import os
 import re
-import struct
+import time
+import tracemalloc
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _corrupt import flip_payload_bytes
+from _corrupt import denied, fifo, flip_payload_bytes, rewrite_header, symlink_loop
 
 from nanoqwen import checksum
 from nanoqwen.config import default
 from nanoqwen.dims import ModelDims
 from nanoqwen.nqfile import (ALIGNMENT, FP16, HEADER_BYTES, INT4, NanoqwenFile, NqFileError, TensorInfo, Writer,
-                             VERSION, _CRC_AT, _HEADER, _HEADER_FIELDS, _encode_table, expected_tensors,
-                             weight_tensors)
+                             VERSION, _encode_table, expected_tensors, weight_tensors)
 from nanoqwen.quant import LAYOUT_ID, pack, quantize
 
 CFG = default()
@@ -51,20 +52,6 @@ def good(tmp_path):
     return path
 
 
-def _header(path: Path) -> dict:
-    return dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(path.read_bytes())))
-
-
-def _rewrite_header(path: Path, fix_crc=True, **changes) -> None:
-    data = bytearray(path.read_bytes())
-    h = {**_header(path), **changes}
-    raw = _HEADER.pack(*(h[k] for k in _HEADER_FIELDS)).ljust(_CRC_AT, b"\0")
-    data[:_CRC_AT] = raw
-    if fix_crc:
-        data[_CRC_AT:_CRC_AT + 4] = struct.pack("<I", zlib.crc32(raw))
-    path.write_bytes(bytes(data))
-
-
 def _rewrite_table(path: Path, edit) -> None:
     """Apply ``edit(list[TensorInfo]) -> list[TensorInfo]`` to the table, keeping its size and fixing CRCs."""
     f = NanoqwenFile(path)
@@ -75,7 +62,7 @@ def _rewrite_table(path: Path, edit) -> None:
     data = bytearray(path.read_bytes())
     data[h["table_offset"]:h["table_offset"] + len(table)] = table
     path.write_bytes(bytes(data))
-    _rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), entry_count=len(entries))
+    rewrite_header(path, table_bytes=len(table), table_crc=zlib.crc32(table), entry_count=len(entries))
 
 
 def _fails(path: Path, pattern: str, verify=False):
@@ -138,7 +125,7 @@ def test_corrupt_blob_is_named(tmp_path):
 
 
 def test_version_1_file_still_opens(good):
-    _rewrite_header(good, version=1)
+    rewrite_header(good, version=1)
     f = NanoqwenFile(good)
     f.verify()
     assert f.version == 1 and f.blobs == {}
@@ -147,7 +134,7 @@ def test_version_1_file_still_opens(good):
 def test_version_1_file_with_blobs_refused(tmp_path):
     path = tmp_path / "m.nanoqwen"
     _write(path, blobs=BLOBS)
-    _rewrite_header(path, version=1)
+    rewrite_header(path, version=1)
     _fails(path, r": blob tokenizer\.json: format version 1 has no blobs")
 
 
@@ -189,7 +176,7 @@ def test_wrong_magic(good):
 
 
 def test_unknown_version(good):
-    _rewrite_header(good, fix_crc=False, version=99)
+    rewrite_header(good, fix_crc=False, version=99)
     _fails(good, r": version: format version 99 is not supported")
 
 
@@ -201,17 +188,17 @@ def test_bad_header_checksum(good):
 
 
 def test_unknown_layout_id(good):
-    _rewrite_header(good, layout_id=2)
+    rewrite_header(good, layout_id=2)
     _fails(good, r": layout id: 2 is not 1 \(ValueShuffle\)")
 
 
 def test_wrong_group_size(good):
-    _rewrite_header(good, group_size=64)
+    rewrite_header(good, group_size=64)
     _fails(good, r": group size: 64")
 
 
 def test_unknown_flag(good):
-    _rewrite_header(good, flags=0x80)
+    rewrite_header(good, flags=0x80)
     _fails(good, r": flags: unknown flag bits 0x80")
 
 
@@ -276,14 +263,17 @@ def test_overlapping_payloads(good):
 
 
 def test_shape_dims_mismatch(good):
-    # the header claims a bigger intermediate than the tensors were written for
-    _rewrite_header(good, intermediate=384)
+    # the header claims a smaller intermediate than the tensors were written for
+    rewrite_header(good, intermediate=128)
     _fails(good, r": tensor model\.layers\.0\.mlp\.gate_proj\.weight: shape \[256, 128\] does not match "
-                 r"the dims \(\[384, 128\]\)")
+                 r"the dims \(\[128, 128\]\)")
+    # a bigger one needs more bytes than the file holds: refused before the table is read
+    rewrite_header(good, intermediate=384)
+    _fails(good, r": dims: the tensors of these dims need [\d,]+ bytes, the data region holds [\d,]+$")
 
 
 def test_bad_dims_in_header(good):
-    _rewrite_header(good, kv_heads=3)
+    rewrite_header(good, kv_heads=3)
     _fails(good, r": dims: .*heads \(2\) not a multiple of kv_heads \(3\)")
 
 
@@ -376,3 +366,59 @@ def test_expected_tensors_for_7b():
     assert exp["model.layers.3.mlp.down_proj.weight.scales"] == (FP16, (3584, 148))
     assert exp["model.layers.0.self_attn.k_proj.bias"] == (FP16, (512,))
     assert exp["lm_head.weight"] == (FP16, (152064, 3584))
+
+
+@pytest.mark.parametrize("field,value", [("layers", 2**31), ("hidden", 2**32 - 1), ("vocab", 2**31),
+                                         ("intermediate", 2**31), ("heads", 2**20), ("max_positions", 2**32 - 1)])
+def test_huge_dims_refused_before_memory_grows(good, field, value):
+    """A CRC-valid header may claim any size; the reader bounds each dimension before it sizes anything."""
+    rewrite_header(good, **{field: value})
+    tracemalloc.start()
+    try:
+        _fails(good, rf": dims: model dims: {field}: {value} is outside \[1, \d+\]$")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_dims_within_limits_cannot_exceed_the_file(good):
+    """The largest dims the limits allow describe petabytes of tensors: refused from the header, as the
+    file cannot hold them, before the table is parsed."""
+    rewrite_header(good, layers=1024, hidden=1 << 16, intermediate=1 << 18, vocab=1 << 22)
+    tracemalloc.start()
+    try:
+        _fails(good, r": dims: the tensors of these dims need [\d,]+ bytes, the data region holds [\d,]+$")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # the expected-tensor list of 1024 layers, nothing sized from the shapes
+
+
+def test_entry_count_bounded_by_the_table(good):
+    rewrite_header(good, entry_count=2**32 - 1)
+    _fails(good, r": entry count: 4294967295 entries do not fit a \d+-byte table$")
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", float("nan")), ("rope_theta", float("inf")),
+                                         ("rope_theta", -1e6), ("rope_theta", 0.0), ("rms_eps", float("nan")),
+                                         ("rms_eps", float("-inf")), ("rms_eps", -1e-6), ("rms_eps", 1.0)])
+def test_non_finite_or_out_of_range_floats_refused(good, field, value):
+    rewrite_header(good, **{field: value})
+    _fails(good, rf": dims: model dims: {field}: {value} is not a finite number in \(0, [\d.e+-]+\]$")
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p, mp: fifo(p), r"not a regular file \(a FIFO\)"),
+    (lambda p, mp: p.mkdir(), r"not a regular file \(a directory\)"),
+    (lambda p, mp: symlink_loop(p), r"cannot open: too many levels of symbolic links"),
+    (lambda p, mp: os.symlink("/dev/zero", p), r"not a regular file \(a character device\)"),
+    (lambda p, mp: denied(_write(p) and p, mp), r"cannot open: permission denied"),
+])
+def test_opens_only_regular_files(tmp_path, monkeypatch, make, message):
+    """Never a hang on a FIFO, never an endless read of a device, and the real reason for what exists."""
+    path = tmp_path / "m.nanoqwen"
+    make(path, monkeypatch)
+    t0 = time.monotonic()
+    _fails(path, message + "$")
+    assert time.monotonic() - t0 < 5

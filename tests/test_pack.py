@@ -1,6 +1,10 @@
 """`nanoqwen pack` on tiny generated HF directories, `pack --random`, `inspect`; HF reader errors."""
 
 import json
+import os
+import re
+import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from nanoqwen.nqfile import INT4, NanoqwenFile, expected_tensors
 from nanoqwen.pack import pack_hf, pack_random
 from nanoqwen.quant import QuantError, quantize, to_fp16, unpack
 
+from _corrupt import fifo, symlink_loop
 from _hf_dirs import TINY, write_hf_dir
 
 
@@ -184,3 +189,139 @@ def test_out_of_range_fp16_and_nan_rejected(tmp_path):
     with pytest.raises(QuantError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*non-finite"):
         pack_hf(HFCheckpoint(tmp_path / "b"), tmp_path / "b.nanoqwen")
     assert not list(tmp_path.glob("*.nanoqwen*")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def _pack_fails(capsys, hf, pattern, out=None):
+    """`nanoqwen pack HF -o OUT` ends in one line matching ``pattern``, exit 1, no file written."""
+    out = out or hf.parent / "m.nanoqwen"
+    assert main(["pack", str(hf), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the progress lines, if the pack got that far
+    assert err.count("error: ") == 1 and last.startswith("error: ") and re.search(pattern, last), err
+    assert "Traceback" not in err and not out.exists()
+    assert not list(hf.parent.glob(".*.tmp"))
+
+
+def _edit_config(hf, **changes):
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    (dict(num_hidden_layers=1e9), r"config\.json: num_hidden_layers: must be an integer, got 1000000000\.0"),
+    (dict(num_hidden_layers=10**9), r"config\.json: num_hidden_layers: 1000000000 is outside \[1, 1024\]"),
+    (dict(vocab_size=2**40), r"config\.json: vocab_size: 1099511627776 is outside"),
+    (dict(hidden_size="256"), r"config\.json: hidden_size: must be an integer, got '256'"),
+    (dict(intermediate_size=None), r"config\.json: missing field 'intermediate_size'"),
+    (dict(rope_theta=float("nan")), r"config\.json: rope_theta: nan is not a finite number"),
+    (dict(rope_theta=-1.0), r"config\.json: rope_theta: -1\.0 is not a finite number"),
+    (dict(rms_norm_eps=float("inf")), r"config\.json: rms_norm_eps: inf is not a finite number"),
+    (dict(rms_norm_eps=[1e-6]), r"config\.json: rms_norm_eps: must be a number"),
+    (dict(tie_word_embeddings="no"), r"config\.json: tie_word_embeddings: must be true or false"),
+    (dict(rope_scaling=["linear"]), r"config\.json: rope_scaling: must be an object"),
+    (dict(architectures=7, model_type=None), r"config\.json: not a Qwen2 model"),
+    (dict(num_key_value_heads=3), r"config\.json: model dims: heads \(4\) not a multiple of kv_heads \(3\)"),
+])
+def test_hostile_config_fields(tmp_path, capsys, changes, pattern):
+    write_hf_dir(tmp_path / "hf")
+    _edit_config(tmp_path / "hf", **changes)
+    _pack_fails(capsys, tmp_path / "hf", pattern)
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("[1, 2]", r"config\.json: must hold a JSON object, not a list"),
+    ("{not json", r"config\.json: invalid JSON: "),
+    ("[" * 100_000 + "]" * 100_000, r"config\.json: invalid JSON: nested too deeply"),
+    ("\udcff", r"config\.json: invalid JSON: "),
+])
+def test_malformed_config(tmp_path, capsys, text, pattern):
+    write_hf_dir(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    _pack_fails(capsys, tmp_path / "hf", pattern)
+
+
+def _st_header(hf, header, hlen=None, data=b""):
+    """Replace model.safetensors by ``header`` (a JSON value or raw bytes) and ``data``."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(raw) if hlen is None else hlen) + raw + data)
+
+
+@pytest.mark.parametrize("header,hlen,pattern", [
+    (b"{}", 2**63, r"header length 9223372036854775808 exceeds the file size"),
+    (b"\x00" * 8, None, r"safetensors header: invalid JSON"),
+    ([1, 2], None, r"safetensors header: must be a JSON object"),
+    ({"w": [1]}, None, r"tensor w: header entry must be an object"),
+    ({"w": {"dtype": 5, "shape": [2], "data_offsets": [0, 4]}}, None, r"tensor w: dtype 5 is not supported"),
+    ({"w": {"dtype": "I8", "shape": [2], "data_offsets": [0, 2]}}, None, r"tensor w: dtype 'I8' is not supported"),
+    ({"w": {"dtype": "F16", "shape": "2", "data_offsets": [0, 4]}}, None, r"tensor w: shape '2' is not a list"),
+    ({"w": {"dtype": "F16", "shape": [-2], "data_offsets": [0, 4]}}, None, r"tensor w: shape \[-2\] is not"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0]}}, None, r"tensor w: data_offsets \[0\] is not"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": ["0", 4]}}, None, r"tensor w: data_offsets \['0', 4\]"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [4, 0]}}, None, r"tensor w: data_offsets \[4, 0\]"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}, "v": {"dtype": "F16", "shape": [2**40, 2**40],
+     "data_offsets": [0, 4]}}, None, r"tensor v: data range \[0, 4\) does not hold F16"),
+    ({"w": {"dtype": "F16", "shape": [2], "data_offsets": [2**62, 2**62 + 4]}}, None, r"tensor w: data range"),
+    ({"w": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}, "v": {"dtype": "F16", "shape": [2],
+     "data_offsets": [4, 8]}}, None, r"tensor v: data_offsets overlap tensor w"),
+])
+def test_malformed_safetensors_header(tmp_path, capsys, header, hlen, pattern):
+    write_hf_dir(tmp_path / "hf")
+    _st_header(tmp_path / "hf", header, hlen, data=b"\0" * 8)
+    _pack_fails(capsys, tmp_path / "hf", r"model\.safetensors: " + pattern)
+
+
+@pytest.mark.parametrize("index,pattern", [
+    ([], r"weight_map: missing or not an object"),
+    ({"weight_map": ["a"]}, r"weight_map: missing or not an object"),
+    ({"weight_map": {"w": 3}}, r"weight_map: tensor w: shard 3 is not a file name"),
+    ({"weight_map": {"w": "../hf2/model.safetensors"}},
+     r"weight_map: tensor w: shard '\.\./hf2/model\.safetensors' is not a file name"),
+])
+def test_malformed_index(tmp_path, capsys, index, pattern):
+    write_hf_dir(tmp_path / "hf", shards=2)
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    _pack_fails(capsys, tmp_path / "hf", r"model\.safetensors\.index\.json: " + pattern)
+
+
+@pytest.mark.parametrize("target,make,pattern", [
+    ("hf", lambda p: fifo(p), r"hf: not a directory \(a FIFO\)"),
+    ("hf", lambda p: symlink_loop(p), r"hf: too many levels of symbolic links"),
+    ("hf/config.json", lambda p: fifo(p), r"config\.json: not a regular file \(a FIFO\)"),
+    ("hf/config.json", lambda p: os.symlink("/dev/zero", p), r"config\.json: not a regular file \(a character"),
+    ("hf/config.json", lambda p: symlink_loop(p), r"config\.json: cannot open: too many levels of symbolic"),
+    ("hf/model.safetensors", lambda p: fifo(p), r"model\.safetensors: not a regular file \(a FIFO\)"),
+    ("hf/model.safetensors", lambda p: os.symlink("/dev/zero", p), r"model\.safetensors: not a regular file"),
+    ("hf/tokenizer.json", lambda p: fifo(p), r"tokenizer\.json: not a regular file \(a FIFO\)"),
+])
+def test_hostile_paths_in_an_hf_dir(tmp_path, capsys, target, make, pattern):
+    write_hf_dir(tmp_path / "hf")
+    path = tmp_path / target
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.unlink(missing_ok=True)
+    make(path)
+    _pack_fails(capsys, tmp_path / "hf", pattern)
+
+
+@pytest.mark.parametrize("failure", ["nan weights", "interrupted"])
+def test_failed_cache_pack_leaves_no_entry(tmp_path, monkeypatch, failure):
+    """`nanoqwen run HF_DIR` packs into the cache: a pack that fails, or is interrupted, leaves no (empty)
+    entry directory and no temporary behind."""
+    from _hf_dirs import random_weights
+    from nanoqwen import modelcache
+    monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path / "cache"))
+    w = random_weights(TINY)
+    if failure == "nan weights":
+        w["model.layers.1.mlp.down_proj.weight"][3, 4] = np.nan
+        expected = QuantError
+    else:
+        def interrupted(ckpt, out, **kwargs):  # Ctrl-C (or SIGTERM, see cli.errors) in the middle of the pack
+            raise KeyboardInterrupt
+        monkeypatch.setattr(pack_mod, "pack_hf", interrupted)
+        expected = KeyboardInterrupt
+    write_hf_dir(tmp_path / "hf", weights=w)
+    with pytest.raises(expected):
+        modelcache.resolve(tmp_path / "hf", log=lambda msg: None)
+    left = sorted(p.relative_to(tmp_path / "cache").as_posix() for p in (tmp_path / "cache").rglob("*"))
+    assert left == ["models", "models/digests.json"], left

@@ -1,6 +1,6 @@
 """The CUDA engine's speculative path (runtime/runner.py: ``verify`` and the speculative rounds) on the
 fake device of tests/test_decoder_plan.py (the numpy reference with paged K/V standing in for the GPU),
-with prefill through the decode step and with a batched prefill whose k + 1 rows each get the lm_head:
+with the prompt prefilled through the decode step or batched and each verify a multi-row step:
 greedy tokens equal plain decoding's with always-wrong, oracle, random and prompt-lookup drafters, the
 device is fed exactly the verified positions, the kept sequence holds only accepted positions, and
 closing early keeps what was accepted."""
@@ -21,23 +21,28 @@ from nanoqwen.runtime.sampler import Sampling
 N_NEW = 14
 
 
+class FakeRows:
+    """The multi-row step (runtime/rowstep.py) on the fake device: row r, token r at positions[r], computed
+    as one reference decode step each (Reference.extend is row invariant), its K/V stored in the pages."""
+    m = 16
+
+    def __init__(self, dev, ref):
+        self.dev, self.ref = dev, ref
+
+    def run(self, tokens, positions):
+        assert positions == list(range(positions[0], positions[0] + len(tokens))), positions
+        self.dev.load(positions[0])
+        logits = self.ref.extend(tokens)
+        self.dev.store(positions[0], tokens)
+        return [int(np.argmax(row)) for row in logits]
+
+
 def spec_device(nqfile, monkeypatch, batched: bool):  # noqa: F811
-    """The fake device; ``batched``: a prefill returning an address per row (row j at base + j * row
-    bytes, as the Prefiller's chunk buffer) whose rows the fake lm_head reads."""
+    """The fake device with the multi-row step; ``batched``: the prompt through the fake batched prefill,
+    else token by token."""
     ref = Reference.from_file(nqfile, max_seq=100)
     run, dev = fake_device(nqfile, monkeypatch, ref, batched_prefill=batched)
-    if batched:
-        rows, base, row = {}, 1 << 44, 4 * ref.dims.hidden
-
-        def prefill(tokens, p0):
-            dev.load(p0)
-            logits = ref.extend(tokens)
-            dev.store(p0, tokens)
-            rows.clear()
-            rows.update({base + j * row: logits[j] for j in range(len(tokens))})
-            return base + (len(tokens) - 1) * row
-        run.prefiller = prefill
-        monkeypatch.setattr(run.decoder, "lm_head", lambda h: dev.lm_head(rows[h]))
+    run.rows, run.max_draft = FakeRows(dev, ref), FakeRows.m - 1
     return run, dev
 
 

@@ -6,12 +6,13 @@ tokenizer a .nanoqwen file stores (packed from that directory at test time): ide
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 from _corrupt import set_version
 
-from nanoqwen import testmodels
+from nanoqwen import NanoqwenError, testmodels
 from nanoqwen.dims import ModelDims
 from nanoqwen.hf import HFCheckpoint
 from nanoqwen.nqfile import NanoqwenFile, NqFileError
@@ -222,3 +223,25 @@ def test_chat_template_jinja_file_is_read_and_stored(tmp_path, tok):
         assert t.chat_template == tok.chat_template
         assert t.encode_chat(CHATS[1]) == tok.encode_chat(CHATS[1])
     assert NanoqwenFile(out).blob("chat_template.jinja") == (hf / "chat_template.jinja").read_bytes()
+
+
+@pytest.mark.parametrize("name,content,pattern", [
+    ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: must hold a JSON object, not a list"),
+    ("tokenizer_config.json", '{"eos_token": 5}', r"tokenizer_config\.json: eos_token: must be a string or an object"),
+    ("tokenizer_config.json", '{"pad_token": {"content": []}}', r"tokenizer_config\.json: pad_token: must be"),
+    ("tokenizer_config.json", '{"chat_template": 7}', r"tokenizer_config\.json: chat_template: must be a string"),
+    ("tokenizer_config.json", '{"chat_template": [3, {"name": "default", "template": 1}]}',
+     r"tokenizer_config\.json: chat_template: must be a string"),
+    ("generation_config.json", '"x"', r"generation_config\.json: must hold a JSON object, not a str"),
+    ("generation_config.json", '{"eos_token_id": "2"}', r"generation_config\.json: eos_token_id: must be a token id"),
+    ("generation_config.json", '{"eos_token_id": [2, true]}', r"generation_config\.json: eos_token_id: must be"),
+    ("generation_config.json", "{\"a\": " * 100_000, r"generation_config\.json: invalid JSON: nested too deeply"),
+    ("generation_config.json", "\x00\xff", r"generation_config\.json: invalid JSON"),
+])
+def test_malformed_tokenizer_files_name_the_file_and_field(tmp_path, name, content, pattern):
+    shutil.copy(DIR / "tokenizer.json", tmp_path)
+    (tmp_path / name).write_bytes(content.encode("latin-1") if "\xff" in content else content.encode())
+    with pytest.raises(NanoqwenError) as e:
+        Tokenizer(tmp_path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{tmp_path}/{name}: "), e.value
+    assert re.search(pattern, str(e.value)), e.value

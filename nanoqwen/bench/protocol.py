@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import NanoqwenError, config
 from ..dims import QWEN25_7B
+from ..modelcache import new_entry, resolve
 from ..nqfile import VERSION, NanoqwenFile, weight_tensors
 from . import mbu
 
@@ -51,11 +52,11 @@ def synthetic_7b(cfg: config.Config, log=print) -> Path:
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = config.cache_root(cfg.codegen) / "models" / f"random-7b-seed{SYNTHETIC_SEED}-{key}" / "model.nanoqwen"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"packing the synthetic 7B (random weights, seed {SYNTHETIC_SEED}) -> {path}")
-        bar = Progress(total_random_bytes(QWEN25_7B, cfg), "random 7b")
-        pack_random(QWEN25_7B, path, seed=SYNTHETIC_SEED, progress=bar, cfg=cfg)
-        bar.close()
+        with new_entry(path.parent):
+            log(f"packing the synthetic 7B (random weights, seed {SYNTHETIC_SEED}) -> {path}")
+            bar = Progress(total_random_bytes(QWEN25_7B, cfg), "random 7b")
+            pack_random(QWEN25_7B, path, seed=SYNTHETIC_SEED, progress=bar, cfg=cfg)
+            bar.close()
     return path
 
 
@@ -63,7 +64,6 @@ def resolve_model(model: str, cfg: config.Config, log=print) -> Path:
     """MODEL argument -> .nanoqwen path: ``7b`` (synthetic), a .nanoqwen file or a HF directory."""
     if model == "7b":
         return synthetic_7b(cfg, log)
-    from ..modelcache import resolve
     return resolve(model, cfg=cfg, log=log)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..bench.protocol import BenchError
+from ..modelcache import is_file
 
 
 def add_arguments(p) -> None:
@@ -36,8 +37,8 @@ def _check(args) -> None:
                              f"(it times the 7B GEMV shapes alone)")
     elif args.model is None:
         raise BenchError("nanoqwen bench: give MODEL (a .nanoqwen file, a HF directory or 7b) or --kernels")
-    elif args.model != "7b" and not Path(args.model).exists():
-        raise BenchError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file, a HF directory or 7b)")
+    elif args.model != "7b":
+        is_file(args.model)  # a missing or unusable MODEL is one line before anything else
     for opt, v, lo in (("--warmup", args.warmup, 0), ("--prompt-tokens", args.prompt_tokens, 1),
                        ("--gen-tokens", args.gen_tokens, 2), ("--repetitions", args.repetitions, 1)):
         if v is not None and v < lo:

@@ -1,17 +1,18 @@
 """One clear line and a non-zero exit for every error a user can act on; tracebacks only on request
-(NANOQWEN_TRACEBACK=1)."""
+(NANOQWEN_TRACEBACK=1). A signal in the middle of a pack removes what the pack had made (nanoqwen/interrupt.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from .. import NanoqwenError
+from .. import NanoqwenError, interrupt
 
 
 def run_main(fn, argv=None) -> int:
     try:
-        return fn(argv) or 0
+        with interrupt.handlers():
+            return fn(argv) or 0
     except BrokenPipeError:   # `nanoqwen ... | head`: the reader left, nothing to report
         return 0
     except KeyboardInterrupt:

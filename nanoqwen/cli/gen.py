@@ -12,6 +12,7 @@ serving with NANOQWEN_DISABLE_JIT=1).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,13 +34,14 @@ def model_dims(arg: str) -> ModelDims:
         from ..testmodels import tiny_dims
         return tiny_dims()
     path = Path(arg)
-    if path.is_dir():
+    if not os.path.lexists(path):
+        raise DimsError(f"--model {arg}: not '7b', 'tiny', a model directory or a .nanoqwen file")
+    from ..modelcache import is_file  # only when asked: the model readers are not codegen's concern
+    if not is_file(path):  # is_file: a symlink loop or a FIFO is one line saying so
         return ModelDims.from_hf_dir(path)
-    if path.is_file():
-        from ..nqfile import NanoqwenFile  # only when asked: the format reader is not codegen's concern
-        with NanoqwenFile(path) as f:
-            return f.dims
-    raise DimsError(f"--model {arg}: not '7b', 'tiny', a model directory or a .nanoqwen file")
+    from ..nqfile import NanoqwenFile
+    with NanoqwenFile(path) as f:
+        return f.dims
 
 
 def _model_specs(args):

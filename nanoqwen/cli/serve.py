@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import NanoqwenError
 from ..backends import BACKENDS
+from ..modelcache import is_file
 from ..runtime.drafters import drafter_setting
 from ..serve.limits import READ_TIMEOUT_S
 from .run import add_speculate_arguments
@@ -114,9 +115,7 @@ def run(args) -> int:
         raise NanoqwenError(f"--read-timeout must be a positive number of seconds, got {args.read_timeout}")
     key = api_key(args)
     speculate = drafter_setting(args.speculate, args.draft_tokens)
-    if not Path(args.model).exists():
-        raise NanoqwenError(f"{args.model}: no such file or directory (MODEL is a .nanoqwen file or a HF directory)")
-    name = args.model_name or (Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name)
+    name = args.model_name or (Path(args.model).stem if is_file(args.model) else Path(args.model).name)
     metrics, load_error = Metrics(), []
 
     def stop(message: str) -> None:   # a model that cannot load is the command's error, not a 503 forever

@@ -22,34 +22,54 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
-from ..codegen.kernels import attention, embed, gemv, lm_head
+from ..codegen.kernels import attention, embed, embed_prefill, gemv, lm_head
 from ..codegen import tuned
 from . import driver
 from .driver import check, cu
 from .memory import Buffers
 
 
-def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_GPU) -> dict:
-    """Role -> kernel spec of one decode step, each from its family's own constructor; the GEMVs take
-    this GPU's tuned tiles (tune/tuned.json) when there are any, grids fill the ``profile``'s SMs."""
-    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile)
-    return {"embed": embed.specs_for_model(dims, cfg)[0],
-            **{role: tuned.role_spec(role, dims, cfg, gpu) for role in gemv.ROLES},
+def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_GPU, m: int = 1) -> dict:
+    """Role -> kernel spec of one decode step of ``m`` rows, each from its family's own constructor; the
+    GEMVs take this GPU's tuned tiles (tune/tuned.json) when there are any (m > 1: the m-row kernel of that
+    tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1 embeds its rows with
+    the prefill's embed (a copy, the same bits)."""
+    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile, m)
+    return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
+            **{role: gemv.multirow_spec(tuned.role_spec(role, dims, cfg, gpu), m, cfg, profile) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,
-            "attention_combine": attention_combine, "lm_head": lm_head.specs_for_model(dims, cfg, profile)[0]}
+            "attention_combine": attention_combine, "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
 
 
-def buffer_bytes(dims, specs: dict) -> dict[str, int]:
-    """The step's own device buffers (``specs``: the roles of ``step_specs``)."""
+def buffer_bytes(dims, specs: dict, m: int = 1) -> dict[str, int]:
+    """The step's own device buffers for ``m`` rows (``specs``: the roles of ``step_specs`` for m rows)."""
     d = dims
     acc_bytes, ml_bytes = attention.partial_bytes(specs["attention_decode"])
-    return {"h": 4 * d.hidden,                              # fp32 residual stream
-            "qkv": 4 * (d.q_dim + 2 * d.kv_dim),            # fp32 q | k | v
-            "q_rot": 4 * d.q_dim,
-            "part_acc": acc_bytes, "part_ml": ml_bytes,      # attention split partials
-            "o16": 2 * d.q_dim,
-            "a16": 2 * d.intermediate,
+    return {"h": 4 * m * d.hidden,                          # fp32 residual stream
+            "qkv": 4 * m * (d.q_dim + 2 * d.kv_dim),        # fp32 q | k | v
+            "q_rot": 4 * m * d.q_dim,
+            "part_acc": acc_bytes, "part_ml": ml_bytes,      # attention split partials (m rows in the spec)
+            "o16": 2 * m * d.q_dim,
+            "a16": 2 * m * d.intermediate,
             "partials": specs["lm_head"].partials_bytes}     # lm_head's per-CTA argmax keys
+
+
+def add_layer(add, i: int, W, kv, st, b, where: dict) -> None:
+    """Decoder layer ``i`` of a step over the buffers ``b`` (``buffer_bytes``; one row or m rows), each
+    kernel through ``add(role, **args)``. ``where`` says where the rows' positions come from: the device
+    state (the decode step) or a positions array (the multi-row step, runtime/rowstep.py)."""
+    L = f"L{i}."
+    add("qkv", w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), h=b.h, norm_w=W(L + "input_norm"),
+        bias=W(L + "qkv.bias"), y=b.qkv)
+    add("rope_append", **where, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
+        page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
+    add("attention_decode", **where, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
+        v_pool=kv.v_ptr(i), page_table=kv.page_table, part_acc=b.part_acc, part_ml=b.part_ml)
+    add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
+    add("o_proj", w0=W(L + "o.packed"), s0=W(L + "o.scales"), x=b.o16, y=b.h)
+    add("gate_up", w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
+        s1=W(L + "up.scales"), h=b.h, norm_w=W(L + "post_norm"), y=b.a16)
+    add("down", w0=W(L + "down.packed"), s0=W(L + "down.scales"), x=b.a16, y=b.h)
 
 
 class Decoder:
@@ -77,18 +97,7 @@ class Decoder:
 
         add("embed", state=st.state, embed=W("embed"), h=b.h, err=st.err, argmax_done=st.argmax_done)
         for i in range(d.layers):
-            L = f"L{i}."
-            add("qkv", w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), h=b.h, norm_w=W(L + "input_norm"),
-                bias=W(L + "qkv.bias"), y=b.qkv)
-            add("rope_append", state=st.state, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
-                page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
-            add("attention_decode", state=st.state, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
-                v_pool=kv.v_ptr(i), page_table=kv.page_table, part_acc=b.part_acc, part_ml=b.part_ml)
-            add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
-            add("o_proj", w0=W(L + "o.packed"), s0=W(L + "o.scales"), x=b.o16, y=b.h)
-            add("gate_up", w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
-                s1=W(L + "up.scales"), h=b.h, norm_w=W(L + "post_norm"), y=b.a16)
-            add("down", w0=W(L + "down.packed"), s0=W(L + "down.scales"), x=b.a16, y=b.h)
+            add_layer(add, i, W, kv, st, b, where={"state": st.state})
         add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=st.logits,
             state=st.state, tokens_out=st.tokens_out, tokens_cap=sh.capacity, partials=b.partials,
             argmax_done=st.argmax_done, err=st.err)

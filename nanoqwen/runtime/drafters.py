@@ -21,9 +21,9 @@ raises k by 2, any rejection lowers it by 1, within [1, max_draft]."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import NanoqwenError
+from ..modelcache import ModelError, is_file
 
 SPECULATE_KINDS = ("lookup", "draft:FILE")
 
@@ -102,8 +102,10 @@ class DraftModel:
 
     def __post_init__(self):
         check_max_draft(self.max_draft)
-        if not Path(self.path).exists():
-            raise SpeculateError(f"--speculate draft:{self.path}: no such file or directory")
+        try:
+            is_file(self.path)
+        except ModelError as e:
+            raise SpeculateError(f"--speculate draft:{e}") from None
 
     def __call__(self, prompt: list[int]) -> "ModelDrafter":
         return ModelDrafter(self, prompt)
@@ -141,10 +143,10 @@ def accept(drafts: list[int], choices: list[int]) -> list[int]:
 class Speculation:
     """One request's verify bookkeeping, the same in both engines: drafts from its drafter (none without
     one: every step is then a plain one), acceptance, the drafter told the outcome, and the counts the
-    engine reports as ``drafted_tokens`` / ``accepted_tokens``."""
+    engine reports as ``drafted_tokens`` / ``accepted_tokens`` (``verifies``: the steps that checked drafts)."""
 
     def __init__(self, drafter=None):
-        self.drafter, self.drafted, self.accepted = drafter, 0, 0
+        self.drafter, self.drafted, self.accepted, self.verifies = drafter, 0, 0, 0
 
     def draft(self, limit: int) -> list[int]:
         return self.drafter.draft(limit) if self.drafter else []
@@ -153,6 +155,7 @@ class Speculation:
         """The verify step's tokens (``accept``); the drafter follows them."""
         block = accept(drafts, choices)
         self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(block) - 1
+        self.verifies += bool(drafts)
         if self.drafter:
             self.drafter.append(block)
             self.drafter.record(len(drafts), len(block) - 1)

@@ -13,9 +13,10 @@ for the next step.
 
 Speculative decoding (``speculate``, a drafter setting of runtime/drafters.py; greedy requests without
 ``logits`` only, the others decode plainly) puts the host in the loop too: each round drafts from the
-tokens so far, ``verify`` runs the last token and k drafts at positions p..p+k as a prefill of the
-sequence and the lm_head on each of its k + 1 rows (host loop, not captured yet), and the accepted
-tokens move the position to the first rejected slot, whose K/V later writes overwrite.
+tokens so far, ``verify`` runs the last token and k drafts at positions p..p+k as k + 1 rows of one
+multi-row step (runtime/rowstep.py, one captured graph per row bucket, every row bitwise a decode step
+of its token), and the accepted tokens move the position to the first rejected slot, whose K/V later
+writes overwrite. Output is plain greedy decoding's, bit for bit, by construction.
 
 Closing the token iterator (EOS, Ctrl-C, a client gone) stops launching at once and drains what was
 launched ahead; the sequence is then kept with exactly the positions whose K/V was written and whose
@@ -35,13 +36,13 @@ class Runner:
     sequences of the KV pool; ``context`` is the most positions one request may occupy."""
 
     def __init__(self, shared, decoder, prefiller, cache: PrefixCache, context: int, ahead: int = 8,
-                 speculate=None):
+                 speculate=None, rows=None):
         self.shared, self.decoder, self.prefiller, self.cache = shared, decoder, prefiller, cache
+        self.rows = rows   # the multi-row step (runtime/rowstep.py) the verify runs on
         self.dims, self.context, self.ahead = shared.dims, context, ahead
         self.speculate, self.spec = speculate, Speculation()
         self.cached_tokens = 0
-        # a verify's k + 1 rows must be one prefill chunk: the chunk buffer holds only the last chunk's rows
-        self.max_draft = prefiller.chunk_tokens - 1 if prefiller is not None else context
+        self.max_draft = rows.m - 1 if rows is not None else 0   # a verify's k + 1 rows are one step
 
     def prefill(self, tokens: list[int], p0: int, read_token: bool = False, read_logits: bool = False) -> None:
         """Positions [p0, p1) of the loaded sequence (p1 = p0 + len(tokens); positions before p0 hold
@@ -58,20 +59,14 @@ class Runner:
 
     def verify(self, tokens: list[int], p: int) -> list[int]:
         """Positions p..p+k of the loaded sequence for ``tokens`` (the last accepted token and k drafts,
-        k <= max_draft) in one prefill, then the step's lm_head on each of the k + 1 rows as steps p..p+k
-        (each advances the device state by one: set once, before the first); waits for and returns the
-        argmax after each. The device state ends at (argmax after the last, p+k+1, p+k+1)."""
+        k <= max_draft) as k + 1 rows of one multi-row step (no drafts: one decode step); waits for and
+        returns the argmax after each, also left in the host's tok_out[p..p+k] as decode steps leave them."""
         sh, k = self.shared, len(tokens) - 1
-        if self.prefiller is None or not k:   # no drafts: one decode step
-            by_steps(self.decoder, tokens, p)
+        if not k:
+            by_steps(self.decoder, tokens, p, read_token=True)
+            sh.wait_step(p)
         else:
-            sh.reset(int(tokens[0]), p, p)
-            last, row = self.prefiller(tokens, p), 4 * self.dims.hidden
-            for j in range(k + 1):
-                self.decoder.lm_head(last - row * (k - j))
-        for j in range(k + 1):
-            sh.read_back(p + j, read_token=True)
-        sh.wait_step(p + k)   # stream order: every earlier copy is done too
+            sh.tok_out[p:p + k + 1] = self.rows.run(tokens, list(range(p, p + k + 1)))
         return sh.tok_out[p:p + k + 1].tolist()
 
     def reserve(self, total: int) -> None:

@@ -24,11 +24,13 @@ from ..units import size
 from . import driver, memory
 from . import decoder as decoder_mod
 from . import prefill as prefill_mod
+from . import rowstep as rowstep_mod
 from . import state as state_mod
 from .decoder import Decoder, step_specs
 from .paged_kv import KVLayout, PagedKVCache
 from .prefill import Prefiller, prefill_specs
 from .prefix_cache import PrefixCache
+from .rowstep import RowStep
 from .runner import Runner
 from .sampler import Sampling
 from .state import SequenceState
@@ -61,6 +63,10 @@ class CudaSession:
         chunked, chunk = prefill == "chunked", min(cfg.prefill.chunk_tokens, self.context)
         gpu = codegen.GpuProfile.from_props(props)
         specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
+        # the multi-row step of each bucket above 1 (the speculative verify), roles prefixed "m<rows>."
+        buckets = [m for m in cfg.multirow.buckets if m > 1]
+        row_specs = {m: step_specs(d, cfg, props.name, gpu, m) for m in buckets}
+        specs |= {f"m{m}.{role}": spec for m, roles in row_specs.items() for role, spec in roles.items()}
         w_bytes = plan(f).nbytes
         # The parts' buffer tables in their allocation order, which is not free: with the same kernels and
         # SASS the decode step ran 1.8% slower when its activations followed the shared state rather than
@@ -68,6 +74,8 @@ class CudaSession:
         tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, cfg.prefill.small_m_tokens)}
                   if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
                                          "decode": decoder_mod.buffer_bytes(d, specs)}
+        if buckets:   # last: the decode step's buffers keep their measured placement
+            tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]])
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes, **tables)
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
@@ -84,13 +92,20 @@ class CudaSession:
         self.decoder = Decoder(self.state, kernels, bufs=bufs["decode"])
         self.prefiller = (Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens, bufs=bufs["prefill"])
                           if chunked else None)
+        self.rows = RowStep(self.state, {m: {role: kernels[f"m{m}.{role}"] for role in row_specs[m]}
+                                         for m in buckets}, bufs=bufs["rows"]) if buckets else None
         self.runner = Runner(self.state, self.decoder, self.prefiller,
-                             PrefixCache(layout.num_pages, layout.page_size), self.context, ahead)
+                             PrefixCache(layout.num_pages, layout.page_size), self.context, ahead, rows=self.rows)
         list(self.runner.generate([0], 2))   # eager: loads every module, touches every buffer
+        if self.rows is not None:   # each bucket once, eagerly, over the warm-up's page (positions 0..m-1)
+            for m in buckets:
+                self.rows.run([0] * m, list(range(m)))
         self.runner.cache.clear()
         self.runner.speculate = speculate   # after the warm-up: that one request decodes plainly
         if not eager:
             self.decoder.capture()
+            if self.rows is not None:
+                self.rows.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
         # weight bytes one token streams (the embedding table is read one row at a time unless tied)
         self.bytes_per_token = w_bytes - (0 if d.tie_embeddings else self.weights.plan.regions["embed"].nbytes)
@@ -124,8 +139,9 @@ class CudaSession:
         if self.runner.speculate is not None:
             self.runner.speculate.close()
         self.decoder.close()
-        if self.prefiller is not None:
-            self.prefiller.close()
+        for part in (self.prefiller, self.rows):
+            if part is not None:
+                part.close()
         self.state.close()
         self.kv.free()
         self.weights.buffer.free()

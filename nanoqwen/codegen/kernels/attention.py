@@ -204,3 +204,8 @@ def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     return list(decode_specs(dims, cfg, gpu))
+
+
+def multirow_specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
+    """The m > 1 attention-side kernels, one set per multirow bucket (config multirow.buckets)."""
+    return [s for m in cfg.multirow.buckets if m > 1 for s in decode_specs(dims, cfg, gpu, m)]

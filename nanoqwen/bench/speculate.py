@@ -1,0 +1,253 @@
+"""Speculative decoding on the GPU (issue 20 item 5): `python -m nanoqwen.bench.speculate --json OUT`.
+
+  (a) the multi-row step: one replay of each bucket's graph (m = 2, 4, 8, 16 rows at positions 512..) as a
+      multiple of the decode step's graph (m = 1), synthetic 7B, context 512;
+  (b) tokens/s of greedy decoding with oracle drafts (the plain greedy continuation, so every draft is
+      accepted) at k = 4, 8, 15, against plain decoding of the same prompt, synthetic 7B;
+  (c) the draft-model drafter's cost per drafted token: a random model at Qwen2.5-0.5B's shapes with the
+      7B's vocabulary drafting for the synthetic 7B;
+  (d) a code-edit workload on the trained small test model (tests/data/small-py): each case is a function
+      of a committed standard-library source followed by an instruction to write it again with one change
+      (a rename, an added argument, a changed constant) and the start of the changed copy; prompt lookup
+      (`--speculate lookup`) against plain greedy decoding: acceptance, accepted tokens per verify,
+      speed-up, and the output equal token for token.
+
+Every speculative run is checked against plain greedy decoding (the same tokens, no tolerance)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import config, paths
+from ..dims import QWEN25_7B
+from ..nqfile import NanoqwenFile
+from ..runtime import driver
+from ..runtime.drafters import AdaptiveK, DraftModel, PromptLookup
+from . import protocol
+from .kernels import git_commit
+
+CONTEXT, PROMPT, GEN = 1024, 512, 128
+ORACLE_K = (4, 8, 15)
+DRAFT_DIMS = dataclasses.replace(QWEN25_7B, hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64,
+                                 intermediate=4864)   # Qwen2.5-0.5B's shapes, the 7B's vocabulary
+EDIT_SOURCE = "tests/data/textwrap-cpython-3.11.7.py.txt"   # committed: the cases never depend on the Python
+
+
+class Oracle(AdaptiveK):
+    """Drafts the known continuation: every draft is accepted, so k stays at max_draft."""
+
+    def __init__(self, prompt: list[int], expected: list[int], k: int):
+        super().__init__(k)
+        self.P, self.seq, self.expected = len(prompt), list(prompt), expected
+
+    def append(self, tokens) -> None:
+        self.seq += tokens
+
+    def draft(self, limit: int) -> list[int]:
+        done = len(self.seq) - self.P
+        return self.expected[done:done + min(self.k, limit)]
+
+
+def timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """(tokens, decode seconds after the first token)."""
+    stamps, out = [], []
+    for tok in session.generate(prompt, n):
+        stamps.append(time.perf_counter())
+        out.append(tok)
+    return out, stamps[-1] - stamps[0]
+
+
+def step_times(session, reps: int = 50) -> dict:
+    """Seconds per replay of the decode graph and of each multi-row graph, at positions 512..."""
+    stream, dec, rows = session.state.stream, session.decoder, session.rows
+    session.runner.reserve(PROMPT + reps + rows.m + 1)
+    a, b = driver.Event(), driver.Event()
+
+    def per_replay(launch) -> float:
+        launch()
+        stream.synchronize()
+        a.record(stream)
+        for _ in range(reps):
+            launch()
+        b.record(stream)
+        b.synchronize()
+        return driver.Event.elapsed_ms(a, b) * 1e-3 / reps
+    try:
+        dec.reset(0, PROMPT, PROMPT)
+        out = {1: per_replay(lambda: dec.graph.launch(stream))}
+        for m in rows.buckets:
+            rows.rows_in[:m] = 0
+            rows.rows_in[rows.m:rows.m + m] = np.arange(PROMPT, PROMPT + m)
+            rows.bufs.rows_in.upload(rows.host_in.array(np.int32))
+            out[m] = per_replay(lambda m=m: rows.graphs[m].launch(stream))
+    finally:
+        a.close()
+        b.close()
+        session.runner.cache.clear()
+    return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
+
+
+def oracle_rates(session, rng, vocab: int) -> dict:
+    prompt = rng.integers(0, vocab, PROMPT).tolist()
+    plain, t_plain = timed(session, prompt, GEN)
+    res = {"plain_tokens_per_s": (GEN - 1) / t_plain}
+    for k in ORACLE_K:
+        session.runner.speculate = lambda p, k=k: Oracle(p, plain, k)
+        try:
+            got, t = timed(session, prompt, GEN)
+        finally:
+            session.runner.speculate = None
+        assert got == plain, f"oracle k={k}: speculative output differs from plain greedy"
+        res[f"k{k}"] = {"tokens_per_s": (GEN - 1) / t, "speedup": t_plain / t,
+                        "verifies": session.runner.spec.verifies}
+    return res
+
+
+def draft_cost(draft_path: Path, rng, vocab: int) -> dict:
+    """Seconds per drafted token of the draft-model drafter (its greedy continuation, k = 8 at a time)."""
+    from ..runtime.session import CudaSession
+    engine = CudaSession(draft_path, CONTEXT, log=lambda m: None)
+    try:
+        drafter = DraftModel(path=str(draft_path), max_draft=8, engine=engine)
+        prompt = rng.integers(0, vocab, PROMPT).tolist()
+        d = drafter(prompt)
+        d.draft(8)   # warm-up: the prompt's prefill
+        t0, drafted = time.perf_counter(), 0
+        for _ in range(10):
+            out = d.draft(8)
+            drafted += len(out)
+            d.append(out)
+        return {"ms_per_drafted_token": 1e3 * (time.perf_counter() - t0) / drafted, "drafted": drafted,
+                "draft_dims": dataclasses.asdict(DRAFT_DIMS)}
+    finally:
+        engine.close()
+
+
+def functions(text: str, max_chars: int = 2000) -> list[tuple[str, str, str, str]]:
+    """(source, indent, name, arguments) of every def in ``text`` of at most ``max_chars`` (one-line heads)."""
+    lines, out = text.splitlines(keepends=True), []
+    for i, line in enumerate(lines):
+        head = re.match(r"^( *)def (\w+)\((.*)\):$", line.rstrip("\n"))
+        if not head:
+            continue
+        indent, j = head.group(1), i + 1
+        while j < len(lines) and (not lines[j].strip() or lines[j].startswith(indent + " ")):
+            j += 1
+        body = "".join(lines[i:j]).rstrip() + "\n"
+        if len(body) <= max_chars:
+            out.append((body, indent, head.group(2), head.group(3)))
+    return out
+
+
+def edit_cases(text: str, n: int = 24) -> list[tuple[str, str]]:
+    """(prompt, kind of change) for n edits of the functions of ``text``, each change in turn per function:
+    the function, an instruction naming the change, and the changed copy's first line (the model goes on)."""
+    cases = []
+    for body, indent, name, args in functions(text):
+        for kind in ("rename", "argument", "constant"):
+            if kind == "rename":
+                note, head = f"renamed to {name}_v2", f"def {name}_v2({args}):"
+            elif kind == "argument":
+                note, head = "with an added argument verbose=False", f"def {name}({args}, verbose=False):"
+            else:
+                note, head = "with every 0 replaced by 1", f"def {name}({args}):"
+            cases.append((f"{body}\n{indent}# The same function {note}:\n{indent}{head}\n", kind))
+    return cases[:n]
+
+
+def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
+    from ..runtime.session import CudaSession
+    from ..tokenizer import load as load_tokenizer
+    tok = load_tokenizer(small)
+    session = CudaSession(small, 2048, log=lambda m: None)
+    try:
+        rows, t_plain, t_spec, drafted, accepted, verifies = [], 0.0, 0.0, 0, 0, 0
+        for prompt_text, kind in edit_cases(text):
+            prompt = tok.encode(prompt_text)
+            session.runner.cache.clear()
+            plain, tp = timed(session, prompt, gen)
+            session.runner.speculate = PromptLookup(max_draft=15)
+            session.runner.cache.clear()
+            try:
+                got, ts = timed(session, prompt, gen)
+            finally:
+                session.runner.speculate = None
+            assert got == plain, f"edit case ({kind}): speculative output differs from plain greedy"
+            spec = session.runner.spec
+            rows.append({"kind": kind, "prompt_tokens": len(prompt), "plain_s": tp, "spec_s": ts,
+                         "drafted": spec.drafted, "accepted": spec.accepted, "verifies": spec.verifies})
+            t_plain, t_spec = t_plain + tp, t_spec + ts
+            drafted, accepted, verifies = drafted + spec.drafted, accepted + spec.accepted, verifies + spec.verifies
+        return {"cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec,
+                "acceptance": accepted / max(drafted, 1), "accepted_per_verify": accepted / max(verifies, 1),
+                "plain_tokens_per_s": len(rows) * (gen - 1) / t_plain,
+                "spec_tokens_per_s": len(rows) * (gen - 1) / t_spec}
+    finally:
+        session.close()
+
+
+def run(log=None) -> dict:
+    from ..runtime.session import CudaSession
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    cfg = config.default()
+    props = driver.device().props
+    path = protocol.resolve_model("7b", cfg, log)
+    vocab = NanoqwenFile(path, cfg).dims.vocab
+    rng = np.random.default_rng(protocol.SYNTHETIC_SEED)
+    res = {"kind": "nanoqwen-bench-speculate", "schema": 1, "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": {"name": props.name, "driver_version": props.driver_version}}
+    session = CudaSession(path, CONTEXT, log=log)
+    try:
+        log("multi-row step times")
+        res["step"] = step_times(session)
+        log("oracle drafts")
+        res["oracle"] = oracle_rates(session, rng, vocab)
+    finally:
+        session.close()
+    draft = config.cache_root(cfg.codegen) / "models" / "random-draft-0.5b-seed0" / "model.nanoqwen"
+    if not draft.exists():
+        from ..pack import pack_random
+        draft.parent.mkdir(parents=True, exist_ok=True)
+        pack_random(DRAFT_DIMS, draft, seed=0, cfg=cfg)
+    log("draft-model drafter")
+    res["draft_model"] = draft_cost(draft, rng, vocab)
+    top = paths.checkout()
+    if top is not None:
+        log("code-edit workload (small-py, prompt lookup)")
+        res["edit"] = edit_workload(top / "tests/data/small-py", (top / EDIT_SOURCE).read_text())
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.speculate", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    res = run()
+    for m, s in res["step"].items():
+        print(f"step m={m}: {s['ms']:.3f} ms ({s['vs_m1']:.2f}x m=1)")
+    o = res["oracle"]
+    print(f"plain {o['plain_tokens_per_s']:.1f} tokens/s; " + "; ".join(
+        f"oracle k={k}: {o[f'k{k}']['tokens_per_s']:.1f} tokens/s ({o[f'k{k}']['speedup']:.2f}x)" for k in ORACLE_K))
+    print(f"draft model: {res['draft_model']['ms_per_drafted_token']:.3f} ms per drafted token")
+    if "edit" in res:
+        e = res["edit"]
+        print(f"edit workload ({len(e['cases'])} cases): acceptance {e['acceptance']:.2f}, speed-up "
+              f"{e['speedup']:.2f}x ({e['spec_tokens_per_s']:.0f} vs {e['plain_tokens_per_s']:.0f} tokens/s)")
+    if args.json:
+        protocol.write_json(res, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

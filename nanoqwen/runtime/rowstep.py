@@ -1,0 +1,113 @@
+"""The multi-row decode step (DESIGN.md section 12): m rows, each a token of its own at its own position,
+through the decode step's kernels in their m-row variants (each weight read once for all rows, every row
+computed with exactly the single-row arithmetic, so a row's K/V, logits and argmax are bitwise what a
+decode step of that token alone gives). It serves the speculative verify: the last accepted token and k
+drafts at positions p..p+k of the loaded sequence are k + 1 rows of one step.
+
+One captured CUDA graph per bucket of config ``multirow.buckets`` above 1, each over the same buffers
+(sized for the largest bucket): a step of n rows replays the smallest bucket m >= n. Its inputs (tokens,
+positions) are copied from pinned memory into one device buffer before the replay; its outputs, the m
+argmaxes, come back through pinned memory after it, and the host waits once, on that copy. Rows past n
+repeat the last real row (same token, same position): they write the same bits into the same cache slot,
+so padding needs no masking in any kernel and never touches a position the request does not own.
+Row r attends to positions <= positions[r]: the K/V of the rows before it were appended by this step's
+rope_append before any attention ran, which is what causal verification needs. The device decode state
+(state[0..2]) is not advanced; the caller decides what is accepted."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import driver
+from .decoder import add_layer, buffer_bytes as step_buffer_bytes
+from .driver import check, cu
+from .memory import Buffers
+from .state import wait
+
+
+def buffer_bytes(dims, specs: dict) -> dict[str, int]:
+    """Device buffers of the largest bucket (``specs``: its roles, as ``decoder.step_specs(m=...)``)."""
+    m = specs["attention_decode"].m
+    return step_buffer_bytes(dims, specs, m) | {"rows_in": 8 * m, "tokens_out": 4 * m, "argmax_done": 4}
+
+
+class RowStep:
+    """``kernels``: bucket m -> {role: (spec, Function)} of ``decoder.step_specs(m=...)``; ``bufs`` the
+    ``buffer_bytes`` table of the largest bucket (allocated here by default)."""
+
+    def __init__(self, shared, kernels: dict[int, dict], pdl: bool = True, bufs: Buffers | None = None):
+        self.shared, self.kernels, self.pdl = shared, kernels, pdl
+        self.buckets = sorted(kernels)
+        self.m = m = self.buckets[-1]
+        self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: s for r, (s, _f) in kernels[m].items()}))
+        self.bufs.argmax_done.memset_u32(0, shared.stream)   # the lm_head wraps it back to 0 after each launch
+        self.host_in = driver.HostBuffer(8 * m)      # tokens [m] | positions [m]
+        self.host_out = driver.HostBuffer(4 * m)     # argmax per row
+        self.rows_in, self.rows_out = self.host_in.array(np.int32), self.host_out.array(np.int32)
+        self.sequences = {b: self._sequence(b) for b in self.buckets}
+        self.graphs: dict[int, driver.Graph] = {}
+        self.done = driver.Event()
+
+    def _sequence(self, m: int) -> list:
+        """[(role, Function, Launch, args)] of the m-row step over the shared buffers."""
+        sh, b, d = self.shared, self.bufs, self.shared.dims
+        W, kv, st = sh.weights.ptr, sh.kv, sh.bufs
+        seq = []
+
+        def add(role, launch=None, **args):
+            spec, fn = self.kernels[m][role]
+            seq.append((role, fn, launch or spec.launch(), args))
+
+        positions = b.rows_in.ptr + 4 * self.m
+        embed_spec = self.kernels[m]["embed"][0]
+        add("embed", embed_spec.launch(m), tokens=b.rows_in, embed=W("embed"), h=b.h, err=st.err, n=m)
+        for i in range(d.layers):
+            add_layer(add, i, W, kv, st, b, where={"positions": positions})
+        add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=0, tokens_out=b.tokens_out,
+            tokens_cap=m, partials=b.partials, argmax_done=b.argmax_done, err=st.err)
+        return seq
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding n rows."""
+        if not 1 <= n <= self.m:
+            raise ValueError(f"a multi-row step takes 1..{self.m} rows, got {n}")
+        return next(b for b in self.buckets if b >= n)
+
+    def _launch(self, m: int) -> None:
+        stream = self.shared.stream
+        if m in self.graphs:
+            self.graphs[m].launch(stream)
+        else:
+            for _role, fn, launch, args in self.sequences[m]:
+                fn.launch(launch, stream, self.pdl, **args)
+
+    def capture(self) -> None:
+        """One graph per bucket; call after each bucket ran once eagerly (modules loaded, lazy work done)."""
+        for m in self.buckets:
+            if m not in self.graphs:
+                with driver.capture(self.shared.stream) as g:
+                    self._launch(m)
+                self.graphs[m] = g
+
+    def run(self, tokens: list[int], positions: list[int]) -> list[int]:
+        """The argmax after each row (``tokens[r]`` at ``positions[r]``, K/V appended there); waits for them."""
+        n = len(tokens)
+        m, s = self.bucket(n), self.shared.stream.handle
+        pad = m - n
+        self.rows_in[:m] = list(tokens) + [tokens[-1]] * pad
+        self.rows_in[self.m:self.m + m] = list(positions) + [positions[-1]] * pad
+        check(cu.cuMemcpyHtoDAsync(self.bufs.rows_in.ptr, self.host_in.ptr, 8 * self.m, s), "multi-row inputs")
+        self._launch(m)
+        check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "multi-row argmax")
+        self.done.record(self.shared.stream)
+        wait(self.done, f"multi-row step of {n} rows")
+        return self.rows_out[:n].tolist()
+
+    def close(self) -> None:
+        self.shared.drain()
+        for g in self.graphs.values():
+            g.close()
+        self.bufs.free()
+        for buf in (self.host_in, self.host_out):
+            buf.free()
+        self.done.close()
