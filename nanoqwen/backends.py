@@ -79,7 +79,7 @@ class ReferenceEngine:
         return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
 
     def _run(self, prompt, max_new_tokens, sampling, logits):
-        ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling), []
+        ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling, prompt), []
         with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
             self.cached_tokens = lease.reused
             self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and sampling.greedy else None)

@@ -148,6 +148,10 @@ class Tokenizer:
         """id -> text of every added token marked special (<|im_end|>, <|fim_prefix|>, ...)."""
         return {i: t.content for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
 
+    def to_json(self) -> str:
+        """The tokenizers JSON (what a grammar engine builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -193,8 +197,9 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The template's own special tokens are tokens; the messages' content is text (``encode_text``).
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """``kwargs`` go to the template (``tools=[...]``). The template's own special tokens are tokens;
+        the messages' content is text (``encode_text``).
         The template renders with a marker in place of each content, and the text between two special
         tokens is encoded as one run, which is what ``encode`` of the plain rendering does (`tokenizers`
         splits at added tokens first), so a conversation without special-token text encodes the same."""
@@ -203,7 +208,7 @@ class Tokenizer:
         mark = re.compile(re.escape(marker) + r"(\d+)\ue001")
         marked = [m | {"content": f"{marker}{i}\ue001"} if isinstance(c, str) and c else m   # "" is falsy to a template
                   for i, (m, c) in enumerate(zip(messages, contents))]
-        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        rendered = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
         ids, run, pos = [], [], 0
         for m in [*mark.finditer(rendered), None]:
             template = rendered[pos:m.start() if m else len(rendered)]

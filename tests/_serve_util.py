@@ -69,3 +69,51 @@ def greedy(engine, stop: frozenset[int], prompt: list[int], max_tokens: int) -> 
         if t in stop:
             break
     return out
+
+
+class ScriptedEngine:
+    """A stand-in engine that answers every request with ``script`` (token ids), then its last id
+    repeated, ``delay_s`` per token; it records each request's prompt, length and sampling. Its logits
+    (when asked for) put 0 on the scripted token and -10 elsewhere."""
+    name, cached_tokens, speculate = "scripted stand-in engine", 0, None
+
+    def __init__(self, script: list[int], context: int = 64, vocab: int | None = None, delay_s: float = 0.0):
+        import dataclasses
+        from nanoqwen.testmodels import tiny_dims
+        self.script, self.context, self.requests, self.delay_s = list(script), context, [], delay_s
+        dims = tiny_dims()
+        self.dims = dataclasses.replace(dims, max_positions=context, vocab=vocab or dims.vocab)
+
+    def generate(self, prompt, max_new_tokens, sampling, logits=False):
+        import time
+        import numpy as np
+        from nanoqwen.runtime.generate import check_request
+        check_request(self.dims, prompt, max_new_tokens, self.context)
+        self.requests.append((list(prompt), max_new_tokens, sampling))
+        for i in range(max_new_tokens):
+            tok = self.script[min(i, len(self.script) - 1)]
+            time.sleep(self.delay_s)
+            if logits:
+                row = np.full(self.dims.vocab, -10.0, np.float32)
+                row[tok] = 0.0
+                yield tok, row
+            else:
+                yield tok
+
+
+def serve_in_process(load, model_id: str = "m"):
+    """The app with a worker over ``load()`` -> (engine, tokenizer), in this process; ready on return."""
+    import time
+    from starlette.testclient import TestClient
+    from nanoqwen.serve.app import Server, create_app
+    from nanoqwen.serve.metrics import Metrics
+    from nanoqwen.serve.worker import Worker
+    metrics = Metrics()
+    worker = Worker(load, metrics, max_queue=4, log=lambda m: None)
+    client = TestClient(create_app(Server(worker, metrics, model_id)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, client.get("/health").text
+        time.sleep(0.02)
+    return client

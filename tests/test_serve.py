@@ -248,16 +248,16 @@ def test_health_and_metrics(server):
 
 @pytest.mark.parametrize("path, body, status, needle", [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, 400, "5000"),
+    ("/v1/completions", {"prompt": "x " * 5000}, 400, "maximum context length is 4096 tokens"),
     ("/v1/completions", {"prompt": PROMPT, "n": 2}, 400, "batch 1"),
     ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, 400, "batch 1"),
-    ("/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "gpt-4"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": [999999]}, 400, "999999"),
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/infill", {"input_prefix": "x", "n_cmpl": 2, "stream": True}, 400, "n_cmpl"),
     ("/infill", {"input_prefix": "x", "n_predict": -2}, 400, "n_predict"),
     ("/detokenize", {"tokens": [-1]}, 400, "-1"),
     ("/v1/nothing", {}, 404, "Not Found"),
@@ -273,9 +273,12 @@ def test_errors_are_openai_objects(server, path, body, status, needle):
 
 def test_context_error_names_both_numbers(server, local):
     _engine, tok, _stop = local
-    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": CONTEXT})
-    msg = r.json()["error"]["message"]
-    assert r.status_code == 400 and str(len(tok.encode(PROMPT))) in msg and str(CONTEXT) in msg, msg
+    prompt = "x " * 5000
+    r = post(server, "/v1/completions", {"prompt": prompt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
+    assert f"maximum context length is {CONTEXT} tokens" in err["message"]
+    assert f"resulted in {len(tok.encode(prompt))} tokens" in err["message"], err
 
 
 def test_disconnect_cancels_generation(server):

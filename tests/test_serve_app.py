@@ -132,7 +132,7 @@ def test_without_max_tokens_generation_fills_the_context(tok):
     assert r.json()["usage"]["completion_tokens"] == 64 - prompt
     assert r.json()["choices"][0]["finish_reason"] == "length"
     r = client.post("/v1/chat/completions", json={"messages": messages * 20})
-    assert r.status_code == 400 and "fills the context of 64" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "maximum context length is 64 tokens" in r.json()["error"]["message"]
 
 
 class BrokenTokenizer:

@@ -7,8 +7,9 @@ position the request may write (runtime/prefix_cache.py); copy its page table in
 the graph reads; prefill positions [L, P); decode. Greedy runs ``ahead`` steps in front of the token the
 host is reading: after each step a 4-byte copy moves ``tokens_out[step]`` into pinned memory and records
 an event, and the host only waits on the event of the oldest token it wants, never to decide what to
-launch next. Sampling (temperature > 0) and ``logits=True`` need the host in the loop: each step's fp32
-logits are downloaded and the sampled token is copied into ``state[0]`` for the next step.
+launch next. Host sampling (anything but plain greedy, runtime/sampler.py) and ``logits=True`` need the
+host in the loop: each step's fp32 logits are downloaded and the sampled token is copied into ``state[0]``
+for the next step.
 
 Speculative decoding (``speculate``, a drafter setting of runtime/drafters.py; greedy requests without
 ``logits`` only, the others decode plainly) puts the host in the loop too: each round drafts from the
@@ -88,7 +89,7 @@ class Runner:
         sh, dec = self.shared, self.decoder
         P, total = len(prompt), len(prompt) + max_new_tokens - 1
         greedy, host = sampling.greedy, logits or not sampling.greedy
-        sample = HostSampler(sampling)
+        sample = HostSampler(sampling, prompt)
         with self.cache.request(prompt, total) as lease:
             self.cached_tokens = lease.reused
             self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and not host else None)

@@ -5,8 +5,8 @@ awaits the job's event queue, so /health, /metrics and queue refusals answer whi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
-import json
 import time
 import uuid
 from contextlib import aclosing
@@ -15,17 +15,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..runtime.generate import ContextError, check_request
 from ..runtime.sampler import Sampling
-from . import errors, limits, offload, prompts
+from . import errors, limits, llama_compat, offload, prompts
+from .context import fit, requested
 from .errors import APIError, parse
-from .fields import response_fields
+from .grammar import Grammars
 from .limits import MAX_HEAD_BYTES, MAX_HEADERS
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, InfillRequest, Sampled, TokenizeRequest
+from .sampling import sampling
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
+from .sse import SSE_HEADERS, frame as _sse
+from .tools import ToolUse, template_messages
 from .worker import Done, Failed, Job, Token
 
 OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Guard:
@@ -80,10 +82,6 @@ def _too_large(limit: int) -> APIError:
     return APIError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
 def _usage(prompt_tokens: int, done: Done) -> dict:
     """OpenAI's usage object; a speculating server adds the draft tokens in the fields OpenAI uses for
     its predicted outputs (accepted / rejected prediction tokens)."""
@@ -103,6 +101,7 @@ class Server:
         self.api_key, self.max_body, self.created = api_key, max_body, int(time.time())
         self.max_text = max_text   # None: limits.CHARS_PER_TOKEN per token of the context
         self.endpoints: set[str] = set()
+        self.grammars: Grammars | None = None   # structured output, made on first use
 
     # ---- request checks ------------------------------------------------------------------------------
 
@@ -112,35 +111,25 @@ class Server:
         return self.worker.engine, self.worker.tokenizer
 
     def check_openai(self, body: Sampled) -> None:
-        if body.model not in (None, "", self.model_id):
-            raise APIError(f"the model {body.model!r} does not exist (this server serves {self.model_id!r})",
-                           status=404, param="model", code="model_not_found")
+        """``model`` may name anything: the one served model answers (as llama-server does; editors send
+        the name their user typed)."""
         if body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
             raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
                            "request", param="n")
-
-    def fit(self, engine, prompt: list[int], max_tokens: int | None, param: str) -> int:
-        """max_tokens, or all the room left (the last new token is never fed back, so it may take the
-        position after a full KV cache, within the model's positions); a request that cannot fit is a 400."""
-        room = min(engine.context + 1, engine.dims.max_positions) - len(prompt)
-        n = room if max_tokens is None else max_tokens
-        try:
-            if max_tokens is None and n < 1:
-                raise ContextError(f"the prompt ({len(prompt)} tokens) fills the context of {engine.context} "
-                                   f"tokens: no room to generate")
-            check_request(engine.dims, prompt, max(n, 1), engine.context)   # 0: the engine still makes one token
-        except ContextError as e:   # the engine's words are the CLI's; name the request's field instead
-            raise APIError(str(e).replace("--max-new-tokens", param).replace("max_new_tokens", param),
-                           param=param) from None
-        return n
 
     def check_text(self, engine, size: int, param: str, what: str = "characters") -> None:
         limit = self.max_text if self.max_text is not None else limits.CHARS_PER_TOKEN * engine.context
         limits.check_text(size, limit, param, what)
 
-    @staticmethod
-    def sampling(body) -> Sampling:
-        return Sampling(body.temperature, body.top_p, body.seed)
+    def grammar_engine(self) -> Grammars:
+        w = self.worker
+        if self.grammars is None:
+            self.grammars = Grammars(w.tokenizer, w.engine.dims.vocab, w.stop_ids)
+        return self.grammars
+
+    def sampling(self, body, forced=None) -> Sampling:
+        w = self.worker
+        return sampling(body, w.tokenizer, w.engine.dims.vocab, w.stop_ids, self.grammar_engine(), forced)
 
     # ---- the engine's events -------------------------------------------------------------------------
 
@@ -186,8 +175,9 @@ class Server:
         return "".join(text), logprobs, done
 
     async def stream(self, job: Job, first: bytes, chunk, final):
-        """SSE: ``first`` (maybe empty), ``chunk(event)`` per token with text or logprobs, ``final(done)``
-        (a list of objects), then ``data: [DONE]``. An engine error after the 200 goes in-band."""
+        """SSE: ``first`` (maybe empty), ``chunk(text, logprobs)`` per token with text or logprobs (an
+        object or a list of them), ``final(done)`` (a list of objects), then ``data: [DONE]``. An engine
+        error after the 200 goes in-band."""
         if first:
             yield first
         try:
@@ -195,7 +185,9 @@ class Server:
                 async for ev in events:
                     if isinstance(ev, Token):
                         if ev.text or ev.logprobs:
-                            yield _sse(chunk(ev.text, ev.logprobs))
+                            out = chunk(ev.text, ev.logprobs)   # an object, or a list of them (maybe none)
+                            for obj in out if isinstance(out, list) else [out]:
+                                yield _sse(obj)
                     else:
                         for obj in final(ev):
                             yield _sse(obj)
@@ -252,6 +244,7 @@ def create_app(server: Server) -> FastAPI:
         engine = srv.worker.engine
         return {"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": srv.created,
                                             "owned_by": "nanoqwen",
+                                            "context_length": engine.context if engine else None,
                                             "max_model_len": engine.context if engine else None}]}
 
     @app.post("/tokenize")
@@ -297,7 +290,7 @@ def create_app(server: Server) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")
-        n = srv.fit(engine, ids, body.max_tokens, "max_tokens")
+        n = fit(engine, ids, *requested(body, "max_tokens", "n_predict"))
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
         job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -337,14 +330,16 @@ def create_app(server: Server) -> FastAPI:
         srv.check_openai(body)
         engine, tok = srv.ready()
         srv.check_text(engine, sum(len(m.text()) for m in body.messages), "messages")
+        tools = ToolUse(body.tools, body.tool_choice, body.parallel_tool_calls, tok.chat_template)
+        messages = template_messages(body.messages)
         try:
-            ids = await offload.run(tok.encode_chat, [{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = await offload.run(functools.partial(tok.encode_chat, messages, **tools.template_kwargs()))
         except Exception as e:  # noqa: BLE001 - the model's own template rejects the conversation
             raise APIError(f"the chat template rejects these messages: {e}", param="messages") from None
-        n = srv.fit(engine, ids, body.max_completion_tokens or body.max_tokens,
-                    "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, top))
+        forced = tools.constraint(srv.grammar_engine())
+        job = srv.submit(request, Job(ids, n, srv.sampling(body, forced), body.stops, top))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def obj(kind, choice):
@@ -355,17 +350,28 @@ def create_app(server: Server) -> FastAPI:
             text, lps, done = await srv.collect(job, request)
             if done is None:
                 return Response(status_code=499)
-            return obj("chat.completion", {"message": {"role": "assistant", "content": text},
+            content, calls = tools.parse(text)
+            return obj("chat.completion", {"message": {"role": "assistant", "content": content} |
+                                                      ({"tool_calls": calls} if calls else {}),
                                            "logprobs": _chat_logprobs(lps) if body.logprobs else None,
-                                           "finish_reason": done.finish_reason}) | {"usage": _usage(len(ids), done)}
+                                           "finish_reason": "tool_calls" if calls else done.finish_reason}) | \
+                {"usage": _usage(len(ids), done)}
+
+        calls = tools.stream() if tools.active else None   # tool-call blocks come out as delta.tool_calls
 
         def chunk(text, lp):
-            return obj("chat.completion.chunk", {"delta": {"content": text},
-                                                 "logprobs": _chat_logprobs([lp]) if lp else None})
+            lps = {"logprobs": _chat_logprobs([lp]) if lp else None}
+            if calls is None:
+                return obj("chat.completion.chunk", {"delta": {"content": text}} | lps)
+            deltas = calls.push(text) or ([{}] if lp else [])
+            return [obj("chat.completion.chunk", {"delta": d} | (lps if i == 0 else {}))
+                    for i, d in enumerate(deltas)]
 
         def final(done):
-            out = ([chunk(done.text, None)] if done.text else []) + \
-                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": done.finish_reason})]
+            tail = calls.push(done.text) + calls.flush() if calls else [{"content": done.text}] if done.text else []
+            finish = "tool_calls" if calls and calls.calls else done.finish_reason
+            out = [obj("chat.completion.chunk", {"delta": d}) for d in tail] + \
+                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": finish})]
             if body.include_usage:
                 out.append({**obj("chat.completion.chunk", {}), "choices": [], "usage": _usage(len(ids), done)})
             return out
@@ -373,50 +379,6 @@ def create_app(server: Server) -> FastAPI:
         return StreamingResponse(srv.stream(job, first, chunk, final), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    @app.post("/infill")
-    async def infill(request: Request):
-        body = await parse(request, InfillRequest)
-        engine, tok = srv.ready()
-        srv.check_text(engine, sum(len(f.filename) + len(f.text) for f in body.input_extra) + len(body.input_prefix)
-                       + len(body.prompt) + len(body.input_suffix), "input_extra" if body.input_extra else "input_prefix")
-        ids = await offload.run(prompts.repo_fim, tok, [(f.filename, f.text) for f in body.input_extra],
-                                body.input_prefix + body.prompt, body.input_suffix)
-        n = srv.fit(engine, ids, None if body.n_predict < 0 else body.n_predict, "n_predict")
-        job = srv.submit(request, Job(ids, n, Sampling(body.temperature, body.top_p, body.seed), body.stop))
-
-        def final_fields(done: Done, content: str) -> dict:
-            prompt_n = len(ids) - done.cached_tokens
-            gen_n = done.completion_tokens
-            return {"index": 0, "content": content, "stop": True, "model": srv.model_id,
-                    "tokens_predicted": gen_n, "tokens_evaluated": len(ids), "tokens_cached": done.cached_tokens,
-                    "truncated": False, "has_new_line": "\n" in content,
-                    "stop_type": "word" if done.stop_word else ("limit" if done.finish_reason == "length" else "eos"),
-                    "stopping_word": done.stop_word or "",
-                    "timings": {"prompt_n": prompt_n, "prompt_ms": 1e3 * done.prompt_s,
-                                "prompt_per_token_ms": 1e3 * done.prompt_s / max(prompt_n, 1),
-                                "prompt_per_second": prompt_n / done.prompt_s if done.prompt_s else 0.0,
-                                "predicted_n": gen_n, "predicted_ms": 1e3 * done.decode_s,
-                                "predicted_per_token_ms": 1e3 * done.decode_s / max(gen_n - 1, 1),
-                                "predicted_per_second": (gen_n - 1) / done.decode_s if done.decode_s else 0.0}}
-
-        if not body.stream:
-            text, _lps, done = await srv.collect(job, request)
-            if done is None:
-                return Response(status_code=499)
-            return response_fields(final_fields(done, text), body.response_fields)
-
-        async def sse():   # llama-server's stream: one object per token, the last with stop = true, no [DONE]
-            try:
-                async with aclosing(srv.events(job)) as events:
-                    async for ev in events:
-                        if isinstance(ev, Token):
-                            if ev.text:
-                                yield _sse({"index": 0, "content": ev.text, "stop": False, "tokens": [ev.token_id]})
-                        else:
-                            yield _sse(response_fields(final_fields(ev, ev.text), body.response_fields))
-            except APIError as e:
-                yield _sse(e.body())
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-
+    llama_compat.install(app, srv)
     srv.endpoints = {r.path for r in app.routes}
     return app

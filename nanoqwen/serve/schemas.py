@@ -1,12 +1,18 @@
-"""Request bodies, with OpenAI's field names (and llama-server's for /infill, /tokenize, /detokenize).
-Fields a client may send but that change nothing here (user, penalties, cache_prompt, ...) are ignored;
-fields whose meaning the server cannot honour (n > 1, a batch of prompts) are refused by the routes."""
+"""Request bodies, with OpenAI's field names (and llama-server's for /tokenize, /detokenize;
+/infill and /completion are serve/llama_compat.py's).
+Fields that change nothing here (user, cache_prompt, ...) are listed in serve/fields.py and ignored, any
+other unknown field is a 400; values the server cannot honour (n > 1, a batch of prompts) are refused by
+the routes."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from .errors import APIError
+from .sampling import SamplingFields
+from .tools import Tool
 
 Stop = str | list[str] | None
 
@@ -15,7 +21,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Sampled(BaseModel):
+class Sampled(SamplingFields):
     """The sampling fields shared by the OpenAI endpoints (OpenAI's defaults)."""
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -25,6 +31,7 @@ class Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    n_predict: int | None = Field(None, ge=-1)   # llama-server's max_tokens (-1: all the room left)
 
     @property
     def stops(self) -> list[str]:
@@ -44,17 +51,23 @@ class CompletionRequest(Sampled):
     best_of: int | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    type: str
+    text: str = ""
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]   # what the chat template renders
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # what the chat template renders
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None   # an assistant turn's calls (serve/tools.py)
+    tool_call_id: str | None = None        # a tool turn's answer to one of them
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
+            if other := next((p.type for p in self.content if p.type != "text"), None):
+                raise APIError(f"this model takes text only: a message has a {other!r} content part",
+                               param="messages", code="unsupported_content")
             return "".join(p.text for p in self.content)
         return self.content or ""
 
@@ -65,27 +78,14 @@ class ChatRequest(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ExtraFile(BaseModel):
     filename: str = ""
     text: str
-
-
-class InfillRequest(BaseModel):
-    """llama-server's /infill (what llama.vim and llama.vscode send). Greedy unless told otherwise: the
-    same buffer gives the same completion."""
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraFile] = []
-    prompt: str = ""
-    n_predict: int = Field(-1, ge=-1)   # -1: until the context is full; 0: prefill only (llama.vim's cache warm-up)
-    stream: bool = False
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=1 << 64)   # numpy's generators take non-negative seeds
-    stop: list[str] = []
-    response_fields: list[str] = []
 
 
 class TokenizeRequest(BaseModel):

@@ -58,6 +58,7 @@ class Job:
     sampling: Sampling
     stops: list[str] = field(default_factory=list)
     top_logprobs: int | None = None   # None: no logits needed
+    cutoff: object | None = None      # serve/cutoffs.py: push(text, seconds since the first token) -> (text, stop)
     received: float = field(default_factory=time.perf_counter)   # TTFT is measured from here
 
     def __post_init__(self):
@@ -174,7 +175,7 @@ class Worker:
         m, engine = self.metrics, self.engine
         want_logits = job.top_logprobs is not None
         stream = TextStream(self.tokenizer, job.stops)
-        n, finish, t_first, t_prev, cached, gen = 0, "length", None, None, 0, None
+        n, finish, t_first, t_prev, cached, gen, cut = 0, "length", None, None, 0, None, False
         m.running.set(1)
         t0 = time.perf_counter()
         try:
@@ -198,10 +199,14 @@ class Worker:
                     finish = "stop"
                     break
                 text = stream.push(tok)
+                if job.cutoff is not None:
+                    text, cut = job.cutoff.push(text, now - t_first)
                 job.emit(Token(text, tok, top_logprobs(self.tokenizer, logits, tok, job.top_logprobs)
                                if want_logits else None))
                 if stream.stopped is not None:
                     finish = "stop"
+                    break
+                if cut:   # llama-server's stop_type "limit"
                     break
         finally:
             if gen is not None:
@@ -215,5 +220,5 @@ class Worker:
         drafted, accepted = draft_counts(engine)   # final: the generator is closed
         m.draft_tokens.inc(drafted or 0)
         m.accepted_tokens.inc(accepted)
-        job.emit(Done(finish, stream.flush(), n, cached, stream.stopped,
+        job.emit(Done(finish, "" if cut else stream.flush(), n, cached, stream.stopped,
                       (t_first or t0) - t0, (t_prev or t0) - (t_first or t0), drafted, accepted))
