@@ -18,7 +18,8 @@
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
 #   GPU_CHECK_GATE     the regression gate for a change to kernels, the runtime or the launch path: a tree
 #                      of the commit to hold the line against (tools/ab_tree.sh COMMIT writes .ab/COMMIT;
-#                      name .ab in the device call's carry). Runs every GPU test, then the same-run A/B of
+#                      name .ab in the device call's carry). Runs every GPU test (GPU_CHECK_TESTS may
+#                      narrow them: say so with the result), then the same-run A/B of
 #                      decode and TTFT against it (ab-decode.json), and fails the check when ms/token, the
 #                      graph step or TTFT is more than GPU_CHECK_GATE_PCT (default 1) percent slower.
 #   GPU_CHECK_AB       a tree of another commit (as above): the same A/B without the gate;
@@ -27,8 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${GPU_CHECK_GATE:-}" ]; then
-    GPU_CHECK_AB=$GPU_CHECK_GATE GPU_CHECK_KERNELS=${GPU_CHECK_KERNELS:-0}
-    unset GPU_CHECK_TESTS   # every GPU test
+    GPU_CHECK_AB=$GPU_CHECK_GATE GPU_CHECK_KERNELS=${GPU_CHECK_KERNELS:-0}   # and every GPU test (the default)
 fi
 OUT=${OUT:-/tmp/nanoqwen-gpu-check}
 mkdir -p "$OUT"
