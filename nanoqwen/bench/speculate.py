@@ -167,8 +167,9 @@ def edit_cases(text: str, n: int = 24) -> list[tuple[str, str]]:
 def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
     from ..runtime.session import CudaSession
     from ..tokenizer import load as load_tokenizer
+    from ..modelcache import resolve
     tok = load_tokenizer(small)
-    session = CudaSession(small, 2048, log=lambda m: None)
+    session = CudaSession(resolve(small, log=lambda m: None), 2048, log=lambda m: None)
     try:
         rows, t_plain, t_spec, drafted, accepted, verifies = [], 0.0, 0.0, 0, 0, 0
         for prompt_text, kind in edit_cases(text):
