@@ -50,7 +50,10 @@ class AdaptiveK:
 
 @dataclass(frozen=True)
 class PromptLookup:
-    max_draft: int = 8     # the most tokens one verify step checks beyond the last accepted one
+    # the most tokens one verify step checks beyond the last accepted one: 7 keeps a verify in the
+    # multi-row step's 8-row bucket (H200, 7B: 3.98x the decode step; 16 rows cost 10.3x,
+    # results/speculate-h200-2026-12-03.json)
+    max_draft: int = 7
     max_ngram: int = 4
     min_ngram: int = 1
 
@@ -97,7 +100,7 @@ class LookupDrafter(AdaptiveK):
 @dataclass(frozen=True)
 class DraftModel:
     path: str              # the draft model: a .nanoqwen file or a Hugging Face directory
-    max_draft: int = 8
+    max_draft: int = PromptLookup.max_draft
     engine: object = field(default=None, compare=False)   # its engine, once open_engine has opened it
 
     def __post_init__(self):
