@@ -24,6 +24,7 @@ from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
 from . import multirow
 from .gemv_case import GemvCase
+from .replay import graph_seconds
 
 COPY_BYTES = 2 << 30          # one direction; read + write = 4 GiB moved per copy
 COPY_REPS = 10
@@ -76,23 +77,10 @@ def time_spec(case: GemvCase, fn: driver.Function, spec: gemv.GemvInt4Spec, stre
         call(i, False)
         b.record(stream)
         alone.append(driver.Event.elapsed_ms(a, b) * 1e-3)
+    a.close()
+    b.close()
     calls = max(GRAPH_CALLS_MIN, 2 * case.copies)
-    with driver.capture(stream) as graph:
-        for i in range(calls):
-            call(i, True)
-    try:
-        graph.launch(stream)   # warm-up replay
-        stream.synchronize()
-        per_call = []
-        for _ in range(5):
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-            per_call.append(driver.Event.elapsed_ms(a, b) * 1e-3 / calls)
-    finally:
-        graph.close()
-        a.close()
-        b.close()
+    per_call = graph_seconds(call, calls, stream)
     return {"alone": _median_spread(alone), "graph": _median_spread(per_call), "graph_calls": calls}
 
 

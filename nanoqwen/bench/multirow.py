@@ -15,6 +15,7 @@ from ..codegen.kernels import gemv, lm_head
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
 from .gemv_case import GemvCase
+from .replay import graph_seconds
 
 LM_GRAPH_CALLS = 20   # lm_head reads 1.09 GB per call (> L2): no weight rotation needed
 
@@ -23,24 +24,7 @@ def _graph_seconds(launch_one, calls: int, stream: driver.Stream) -> tuple[float
     """Median (min, max) seconds per call of `calls` back-to-back PDL launches replayed as one graph."""
     launch_one(0, False)   # warm-up: module load
     stream.synchronize()
-    with driver.capture(stream) as graph:
-        for i in range(calls):
-            launch_one(i, True)
-    a, b = driver.Event(), driver.Event()
-    try:
-        graph.launch(stream)
-        stream.synchronize()
-        per_call = []
-        for _ in range(5):
-            a.record(stream)
-            graph.launch(stream)
-            b.record(stream)
-            per_call.append(driver.Event.elapsed_ms(a, b) * 1e-3 / calls)
-    finally:
-        graph.close()
-        a.close()
-        b.close()
-    per_call.sort()
+    per_call = sorted(graph_seconds(launch_one, calls, stream))
     return per_call[len(per_call) // 2], per_call[0], per_call[-1]
 
 
