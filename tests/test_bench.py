@@ -526,3 +526,22 @@ def test_speculate_bench_edit_cases_and_oracle():
     assert o.draft(10) == [7, 8, 9] and o.draft(2) == [7, 8]
     o.append([7, 8])
     assert o.draft(10) == [9, 10]
+
+
+def test_write_json_never_replaces_a_fifo(tmp_path):
+    """bench --out / eval --out go through write_json: a FIFO (or any non-regular file) there is refused in
+    one line and stays what it was; a regular file is replaced whole."""
+    import os
+    import stat
+
+    from nanoqwen.bench import protocol
+    from nanoqwen.safefile import FileError
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    with pytest.raises(FileError, match="not a regular file"):
+        protocol.write_json({"a": 1}, fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    regular = tmp_path / "r.json"
+    regular.write_text("old")
+    protocol.write_json({"a": 1}, regular)
+    assert json.loads(regular.read_text()) == {"a": 1}

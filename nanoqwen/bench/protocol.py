@@ -27,6 +27,7 @@ from .. import NanoqwenError, config
 from ..dims import QWEN25_7B
 from ..modelcache import new_entry, resolve
 from ..nqfile import VERSION, NanoqwenFile, weight_tensors
+from ..safefile import check_replaceable
 from . import mbu
 
 SCHEMA = 1
@@ -228,7 +229,10 @@ def mbu_report(dims, cfg, result: dict) -> dict:
 # ---- output -----------------------------------------------------------------------------------------
 
 def write_json(obj: dict, path: Path) -> None:
+    """`path` written whole (a temporary renamed over it); a FIFO, device node or directory there is refused
+    (one line), never replaced."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
