@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from _margins import assert_same_pairs, check_pairs, check_tokens
+from _texts import corpus_text
 
 from ._gpu_util import fresh_rng, rel, report
 from nanoqwen import config, testmodels
@@ -67,14 +68,12 @@ def prefilled_tokens(session, prompt, gen):
     return sh.tok_out[P - 1:P - 1 + len(gen)].tolist()
 
 
-def stdlib_prompts(tok, n: int, rng) -> list[list[int]]:
-    """n prompts of 16..48 tokens, each from a random line of a different standard-library file."""
-    files = testmodels.stdlib_sources()
-    picks = rng.choice(len(files), size=n, replace=False)
+def code_prompts(tok, n: int, rng) -> list[list[int]]:
+    """n prompts of 16..48 tokens, each from a random line of the committed corpus (tests/_texts.py)."""
+    lines = corpus_text().splitlines(keepends=True)
     prompts = []
-    for i in picks:
-        lines = files[i].read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        start = int(rng.integers(0, max(1, len(lines) - 8)))
+    for _ in range(n):
+        start = int(rng.integers(0, len(lines) - 40))
         ids = tok.encode("".join(lines[start:start + 40]))
         prompts.append(ids[:int(rng.integers(16, 49))] if len(ids) >= 16 else tok.encode("import os\n"))
     return prompts
@@ -122,7 +121,7 @@ def test_positions_across_page_boundaries(sessions, references, eager):
 def test_graph_tier_token_match(sessions, references, tok):
     s, ref = sessions("small-py"), references("small-py")
     rng = fresh_rng()
-    prompts = stdlib_prompts(tok, VAL.graph_prompts, rng)
+    prompts = code_prompts(tok, VAL.graph_prompts, rng)
     match = total = 0
     misses = []
     for p in prompts:

@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 import pytest
+from _texts import corpus_text
 
 from ._gpu_util import fresh_rng, rel, report
 from .test_decode import simulated_argmax
@@ -84,13 +85,10 @@ def test_embed_prefill_kernel(dims):
 # ---- the runtime prefill against the simulation --------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus():
-    """A long token stream of real Python (standard-library files): prompts are random windows of it."""
-    tok = Tokenizer(testmodels.SMALL_PY_DIR)
-    ids: list[int] = []
-    for path in testmodels.stdlib_sources()[::97]:
-        ids += tok.encode(path.read_text(encoding="utf-8", errors="replace"))
-        if len(ids) > 20 * max(LENGTHS):
-            break
+    """A long token stream of real Python (the committed corpus, tests/_texts.py): prompts are random
+    windows of it."""
+    ids = Tokenizer(testmodels.SMALL_PY_DIR).encode(corpus_text())
+    assert len(ids) > 20 * max(LENGTHS)
     return ids
 
 

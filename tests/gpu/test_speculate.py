@@ -1,6 +1,6 @@
 """Speculative greedy decoding on the CUDA engine (runtime/runner.py ``verify``: the last accepted token and
 k drafts as k + 1 rows of one multi-row decode step, runtime/rowstep.py) on the trained small-py model,
-100 prompts of real Python (windows of standard-library files), 16 tokens:
+100 prompts of real Python (windows of the committed corpus, tests/_texts.py), 16 tokens:
 
 * class (a) of docs/architecture.md ("Exact or within a tolerance"): every row of the multi-row step is
   computed with the single-row decode arithmetic (DESIGN.md section 12; bitwise per kernel in
