@@ -12,7 +12,8 @@
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
-#                      the GPU machine lacks: wheels in .whl/ (git-ignored, named in carry) are installed first
+#                      the GPU machine lacks: wheels in .whl/ (tools/fetch_wheels.sh; git-ignored, named in
+#                      carry) are installed first
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
