@@ -40,6 +40,13 @@ def fim_model_dir(dst: Path) -> Path:
     return dst
 
 
+def model_and_cache(tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """(the small-py model directory with FIM tokens, an empty cache root) for one test module's server."""
+    root = tmp_path_factory.mktemp(name)
+    (root / "cache").mkdir()
+    return fim_model_dir(root / "small-py-fim"), root / "cache"
+
+
 def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path) -> ServerProcess:
     """A real `nanoqwen serve` on a free port with its own kernel / model cache."""
     return ServerProcess(model, *args, backend=backend, log_dir=cache_dir, env={"NANOQWEN_CACHE_DIR": str(cache_dir)})

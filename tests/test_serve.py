@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import fim_model_dir, greedy, server as start_server
+from _serve_util import greedy, model_and_cache, server as start_server
 from nanoqwen.backends import open_engine
 from nanoqwen.modelcache import resolve
 from nanoqwen.serve import prompts
@@ -32,9 +32,7 @@ def backend():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    (root / "cache").mkdir()
-    return fim_model_dir(root / "small-py-fim"), root / "cache"
+    return model_and_cache(tmp_path_factory, "serve")
 
 
 @pytest.fixture(scope="module")

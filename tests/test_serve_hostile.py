@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from _serve_util import fim_model_dir, greedy, open_local, server as start_server
+from _serve_util import greedy, model_and_cache, open_local, server as start_server
 from nanoqwen.paths import PACKAGE_DIR
 from nanoqwen.serve import limits, prompts
 from nanoqwen.serve.launch import ServerProcess
@@ -30,9 +30,7 @@ READ_TIMEOUT = 2.0     # --read-timeout
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile")
-    (root / "cache").mkdir()
-    return fim_model_dir(root / "small-py-fim"), root / "cache"
+    return model_and_cache(tmp_path_factory, "hostile")
 
 
 @pytest.fixture(scope="module")

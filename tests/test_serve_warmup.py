@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from _serve_util import fim_model_dir, greedy, open_local, server as start_server
+from _serve_util import greedy, model_and_cache, open_local, server as start_server
 from nanoqwen.runtime.prefix_cache import common_prefix
 from nanoqwen.serve import prompts
 
@@ -22,9 +22,7 @@ PREFIX, SUFFIX = "from util import clamp\n\ndef scale(x):\n    return clamp(", "
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("warmup")
-    (root / "cache").mkdir()
-    return fim_model_dir(root / "small-py-fim"), root / "cache"
+    return model_and_cache(tmp_path_factory, "warmup")
 
 
 @pytest.fixture(scope="module")
