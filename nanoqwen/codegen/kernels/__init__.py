@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     "attention_combine": "attention:AttentionCombineSpec",
     "rope_append": "attention:RopeAppendSpec",
     "gemm_int4": "gemm:GemmInt4Spec",
+    "gemm_wgmma": "gemm_wgmma:GemmWgmmaSpec",
     "rmsnorm_prefill": "gemm:RmsnormPrefillSpec",
     "rope_append_prefill": "attention_prefill:RopeAppendPrefillSpec",
     "attention_prefill": "attention_prefill:AttentionPrefillSpec",
