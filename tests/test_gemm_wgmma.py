@@ -1,0 +1,162 @@
+"""The wgmma INT4 GEMM (gemm_wgmma) on the CPU: the 7B / tiny-model GEMMs and non-default tiles render and
+compile for sm_90a with no spills and no local memory and their SASS issues HGMMA; bad specs are rejected
+with a message naming the field; the grid follows M; and a numpy model of one tile checks the index maps
+against the PTX ISA rules: X's shared-memory layout read back through the K-major no-swizzle descriptor
+(core matrix rows 16 bytes apart, SBO between 8-token groups, LBO between k halves) is X^T, the copy
+slots cover the tile once with bank-conflict-free 128-byte runs, each lane's nibble-pair dequant lands on
+wgmma's A fragment map, and the SwiGLU row order gives one lane the gate and up of the same output."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from nanoqwen import config, quant
+from nanoqwen.codegen import resources
+from nanoqwen.codegen.kernels import gemm_wgmma as W
+from nanoqwen.codegen.spec import Launch, SpecError
+from nanoqwen.dims import QWEN25_7B
+from nanoqwen.testmodels import tiny_dims
+
+CFG = config.default()
+
+
+def _specs():
+    out = W.specs_for_model(QWEN25_7B, CFG) + W.specs_for_model(tiny_dims(), CFG)
+    qkv = W.model_gemms(QWEN25_7B)["qkv"]
+    gu = W.model_gemms(QWEN25_7B)["gate_up"]
+    out += [replace(qkv, epilogue="f16"), replace(qkv, bm=64), replace(qkv, bm=256, stages=3),
+            replace(qkv, bn=256), replace(qkv, bn=64), replace(gu, bk=128, stages=3)]
+    return list(dict.fromkeys(out))
+
+
+SPECS = _specs()
+
+
+@pytest.fixture(scope="module")
+def built(fresh_build):
+    return {b.spec: b for b in fresh_build(SPECS)}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])
+def test_compiles_without_spills(built, spec):
+    b = built[spec]
+    r = b.resources
+    assert r.local_bytes == 0 and r.spill_stores == 0 and r.spill_loads == 0, f"{spec.uri}: {r}"
+    assert r.registers * spec.threads <= 65536
+    # e.g. "wgmma.mma_async instructions are serialized": a warning means the pipeline is broken
+    assert "warning" not in b.log.lower(), f"{spec.uri}: ptxas warns: {b.log}"
+
+
+@pytest.mark.skipif(resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None,
+                    reason="no cuobjdump / nvdisasm to read SASS")
+@pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])
+def test_sass_uses_warpgroup_mma(built, spec):
+    sass = resources.sass(built[spec].cubin)
+    assert "HGMMA.64x64x16.F32" in sass, f"{spec.uri}: no HGMMA.64x64x16.F32 in the SASS"
+    assert "HMMA" not in sass, f"{spec.uri}: mma.sync in the SASS"
+    assert "LDL" not in sass and "STL" not in sass, f"{spec.uri}: local memory traffic in the SASS"
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(epilogue="gelu"), "epilogue"), (dict(epilogue="residual", bias=True), "bias"),
+    (dict(bk=32), "bk"), (dict(bm=96), "bm"), (dict(bm=320), "bm"), (dict(bn=32), "bn"),
+    (dict(bn=512), "bn"), (dict(n=4608 + 64), "n"), (dict(k=3584 + 64), "k"), (dict(stages=1), "stages"),
+    (dict(bm=256, bk=128, stages=8), "shared memory"), (dict(max_m=0), "max_m"), (dict(group=96), "group"),
+])
+def test_bad_specs_are_rejected(kw, field):
+    with pytest.raises(SpecError, match=field):
+        replace(W.model_gemms(QWEN25_7B)["qkv"], **kw).validate()
+
+
+def test_launch_follows_m():
+    s = W.model_gemms(QWEN25_7B)["qkv"]
+    assert s.launch(1) == Launch(grid=(4608 // 128, 1, 1), block=(256, 1, 1), smem=4 * (128 * 64 * 2 + 128 * 64 // 2))
+    assert s.launch(129).grid == (36, 2, 1) and s.launch().grid == (36, 4096 // 128, 1)
+    assert replace(s, bn=64).launch(7).block == (128, 1, 1)
+    with pytest.raises(SpecError, match="m must be positive"):
+        s.launch(0)
+
+
+def test_listed_for_gen_not_in_the_runtime_plan():
+    """The family is in the model's kernel list (nanoqwen-gen) but no runtime role builds it."""
+    from nanoqwen import codegen
+    from nanoqwen.runtime import prefill
+    assert set(W.specs_for_model(QWEN25_7B, CFG)) <= set(codegen.model_kernels(QWEN25_7B, CFG))
+    assert not any(s.family == "gemm_wgmma" for s in prefill.prefill_specs(QWEN25_7B, CFG).values())
+
+
+# ---- numpy model of one tile ----------------------------------------------------------------------------------
+
+
+def _descriptor_read(smem: np.ndarray, start: int, lbo: int, sbo: int, n: int) -> np.ndarray:
+    """B [16, n] fp16 as wgmma reads a K-major no-swizzle tile (PTX ISA, matrix descriptor): element
+    (k, j) at start + (j // 8) sbo + (k // 8) lbo + (j % 8) 16 + (k % 8) 2."""
+    b = np.empty((16, n), np.float16)
+    for k in range(16):
+        for j in range(n):
+            off = start + j // 8 * sbo + k // 8 * lbo + j % 8 * 16 + k % 8 * 2
+            b[k, j] = smem[off:off + 2].view(np.float16)[0]
+    return b
+
+
+@pytest.mark.parametrize("bm,bk", [(64, 64), (128, 128)])
+def test_x_layout_is_what_the_descriptor_reads(bm, bk):
+    spec = replace(W.model_gemms(QWEN25_7B)["qkv"], bm=bm, bk=bk)
+    x = np.random.default_rng(0).standard_normal((bm, bk)).astype(np.float16)
+    smem = np.zeros(bm * bk * 2, np.uint8)
+    seen = set()
+    for i in range(bm * bk // 8):
+        r, c = spec.x_copy(i)
+        off = spec.x_offset(r, c)
+        smem[off:off + 16] = x[r, 8 * c:8 * c + 8].view(np.uint8)
+        seen.add((r, c))
+        if i % 8 == 0:   # 8 consecutive slots (one shared-store phase) write 128 contiguous bytes
+            assert [spec.x_offset(*spec.x_copy(i + d)) for d in range(8)] == [off + 16 * d for d in range(8)]
+    assert len(seen) == bm * bk // 8
+    for kk in range(bk // 16):
+        for i in range(bm // W.MMA_N):
+            start = i * 8 * spec.x_sbo + 2 * kk * spec.x_lbo
+            b = _descriptor_read(smem, start, spec.x_lbo, spec.x_sbo, W.MMA_N)
+            np.testing.assert_array_equal(b, x[64 * i:64 * i + 64, 16 * kk:16 * kk + 16].T)
+
+
+def _int4_pair(word: int, scale: np.float16) -> tuple[np.float16, np.float16]:
+    """int4.cuh's magic-number unpack of the nibbles at bits 0 and 16 of ``word``, times the scale in fp16."""
+    biased = ((word ^ 0x88888888) & 0x000F000F) | 0x64006400
+    lo, hi = np.array([biased & 0xFFFF, biased >> 16], np.uint16).view(np.float16)
+    return (np.float16(lo - np.float16(1032)) * scale, np.float16(hi - np.float16(1032)) * scale)
+
+
+@pytest.mark.parametrize("epilogue", ["f32", "swiglu"])
+def test_a_fragments_and_swiglu_rows(epilogue):
+    """One warpgroup, one k16 step: the lanes' dequantized A fragments placed by wgmma's A map rebuild the
+    dequantized weight tile in the tile-row order weight_row() gives; with SwiGLU, the D map's two rows of a
+    lane (g and g + 8) are the gate and up rows of one output."""
+    spec = W.model_gemms(QWEN25_7B)["gate_up" if epilogue == "swiglu" else "qkv"]
+    rng = np.random.default_rng(1)
+    halves = [quant.quantize(rng.standard_normal((64, 128)).astype(np.float32)) for _ in range(2)]
+    packed = [quant.pack(q) for q, _ in halves]
+    deq = [quant.dequantize(p, s) for p, (_, s) in zip(packed, halves)]
+    rows = [spec.weight_row(n) for n in range(64)]
+    assert len(set(rows)) == 64 and all(r < 64 for _, r in rows)
+    kk = 3
+    a = np.full((64, 16), np.nan, np.float32)
+    for lane_id in range(128):
+        warp, g, t = lane_id // 32, lane_id % 32 // 4, lane_id % 4
+        regs = []
+        for dr, dw in ((0, 0), (8, 0), (0, 1), (8, 1)):          # a[0..3]: (g, 2t) (g+8, 2t) (g, 2t+8) (g+8, 2t+8)
+            half, row = rows[16 * warp + g + dr]
+            word = int(packed[half][row, 2 * kk + dw]) >> (4 * t)
+            regs.append(_int4_pair(word, halves[half][1][row, 0]))
+        for reg, (dr, dk) in zip(regs, ((0, 0), (8, 0), (0, 8), (8, 8))):
+            a[16 * warp + g + dr, 2 * t + dk:2 * t + dk + 2] = reg
+    want = np.stack([deq[h][r, 16 * kk:16 * kk + 16] for h, r in rows])
+    np.testing.assert_array_equal(a, want.astype(np.float16))   # the kernel rounds q * scale to fp16 once
+    if epilogue == "swiglu":
+        for warp in range(4):
+            for g in range(8):
+                (hg, og), (hu, ou) = rows[16 * warp + g], rows[16 * warp + g + 8]
+                assert (hg, hu) == (0, 1) and og == ou == 8 * warp + g
