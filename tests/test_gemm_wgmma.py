@@ -28,7 +28,8 @@ def _specs():
     qkv = W.model_gemms(QWEN25_7B)["qkv"]
     gu = W.model_gemms(QWEN25_7B)["gate_up"]
     out += [replace(qkv, epilogue="f16"), replace(qkv, bm=64), replace(qkv, bm=256, stages=3),
-            replace(qkv, bn=256), replace(qkv, bn=64), replace(gu, bk=128, stages=3)]
+            replace(qkv, bn=256), replace(qkv, bn=64), replace(gu, bk=128, stages=3),
+            replace(qkv, inflight=0, stages=2), replace(gu, inflight=0)]
     return list(dict.fromkeys(out))
 
 
@@ -64,6 +65,7 @@ def test_sass_uses_warpgroup_mma(built, spec):
     (dict(epilogue="gelu"), "epilogue"), (dict(epilogue="residual", bias=True), "bias"),
     (dict(bk=32), "bk"), (dict(bm=96), "bm"), (dict(bm=320), "bm"), (dict(bn=32), "bn"),
     (dict(bn=512), "bn"), (dict(n=4608 + 64), "n"), (dict(k=3584 + 64), "k"), (dict(stages=1), "stages"),
+    (dict(stages=2), "stages"), (dict(inflight=2), "inflight"),
     (dict(bm=256, bk=128, stages=8), "shared memory"), (dict(max_m=0), "max_m"), (dict(group=96), "group"),
 ])
 def test_bad_specs_are_rejected(kw, field):

@@ -1,6 +1,6 @@
 """GPU unit tests of the wgmma INT4 GEMM (gemm_wgmma, not used by the runtime yet) on the 7B and tiny-model
 shapes of every role (qkv f32 + bias, o_proj / down residual, gate/up SwiGLU) for M in {1, 7, 16, 17, 100,
-512}, against the numpy reference (`reference.gemv` on the exactly dequantized weights) on fresh random
+512} (with inflight 1, the default, and 0), against the numpy reference (`reference.gemv` on the exactly dequantized weights) on fresh random
 data, with tests/gpu/test_gemm.py's buffers, poisoning and tolerances (GEMM_TOL fp32 out, F16_TOL fp16 out);
 plus row invariance: a row's output is bitwise the same at M = 7 and M = 512 (same inputs, same residual)."""
 
@@ -22,11 +22,16 @@ pytestmark = pytest.mark.gpu
 CFG = config.default()
 MS = (1, 7, 16, 17, 100, 512)
 F16_VARIANT = dict(epilogue="f16")   # the qkv shape with the f16 epilogue (not in the model plan)
+INFLIGHT = (1, 0)   # the default (a k-tile of wgmmas runs past the barrier) and the drain-every-tile fallback
+
+
+def _role_spec(model: str, role: str, inflight: int = 1) -> W.GemmWgmmaSpec:
+    return replace(W.model_gemms(MODELS[model], CFG.quant.group_size)[role], inflight=inflight)
 
 
 def _specs():
-    specs = [s for d in MODELS.values() for s in W.model_gemms(d, CFG.quant.group_size).values()]
-    return specs + [replace(W.model_gemms(d, CFG.quant.group_size)["qkv"], **F16_VARIANT) for d in MODELS.values()]
+    specs = [_role_spec(m, r, i) for m in MODELS for r in ROLES for i in INFLIGHT]
+    return specs + [replace(_role_spec(m, "qkv"), **F16_VARIANT) for m in MODELS]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +46,11 @@ def _check(what: str, out: np.ndarray, ref: np.ndarray, tol: float) -> None:
     assert err <= tol, f"{what}: rel error {err:.3e} > {tol}"
 
 
+@pytest.mark.parametrize("inflight", INFLIGHT)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("role", ROLES)
-def test_gemm_wgmma(fns, model, role):
-    spec = W.model_gemms(MODELS[model], CFG.quant.group_size)[role]
+def test_gemm_wgmma(fns, model, role, inflight):
+    spec = _role_spec(model, role, inflight)
     g = Gemm(spec, np.random.default_rng(), max(MS))
     tol = F16_TOL if spec.epilogue == "swiglu" else GEMM_TOL
     for m in MS:
@@ -54,7 +60,7 @@ def test_gemm_wgmma(fns, model, role):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_gemm_wgmma_f16_epilogue(fns, model):
-    spec = replace(W.model_gemms(MODELS[model], CFG.quant.group_size)["qkv"], **F16_VARIANT)
+    spec = replace(_role_spec(model, "qkv"), **F16_VARIANT)
     g = Gemm(spec, np.random.default_rng(), 100)
     for m in (1, 17, 100):
         out, ref = g.run(fns[spec], m)
@@ -65,7 +71,7 @@ def test_gemm_wgmma_f16_epilogue(fns, model):
 def test_rows_do_not_depend_on_m(fns, role):
     """Chunk invariance (DESIGN.md section 12): the first 7 rows computed in a 7-row call and in a 512-row
     call (other rows, other CTAs along M, a full tile beside them) are the same bits."""
-    spec = W.model_gemms(MODELS["7b"], CFG.quant.group_size)[role]
+    spec = _role_spec("7b", role)
     rng = np.random.default_rng()
     g = Gemm(spec, rng, 512)
     resid = rng.standard_normal((512, spec.n)).astype(np.float32)

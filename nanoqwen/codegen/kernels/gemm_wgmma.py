@@ -43,7 +43,8 @@ class GemmWgmmaSpec(KernelSpec):
     bm: int = 128            # tokens per CTA (a multiple of 64: m64n64k16 instructions side by side)
     bn: int = 128            # weight rows per CTA (64 per warpgroup)
     bk: int = 64             # reduction step per pipeline stage (64 or 128)
-    stages: int = 4          # cp.async ring depth
+    stages: int = 4          # cp.async ring depth (stages - 1 - inflight tiles of copies ahead)
+    inflight: int = 1        # k-tiles of wgmmas left running while the next tile is refilled and dequantized
     max_m: int = 4096        # rows the default grid covers (launch(m) sizes it for a call)
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
 
@@ -66,8 +67,11 @@ class GemmWgmmaSpec(KernelSpec):
             raise SpecError(f"{f}.n ({self.n}) must be a positive multiple of bn ({self.bn})")
         if self.k <= 0 or self.k % self.group:
             raise SpecError(f"{f}.k ({self.k}) must be a positive multiple of group ({self.group})")
-        if not 2 <= self.stages <= 8:
-            raise SpecError(f"{f}.stages must be 2..8, got {self.stages}")
+        if self.inflight not in (0, 1):
+            raise SpecError(f"{f}.inflight must be 0 or 1 (A fragments are double-buffered), got {self.inflight}")
+        if not 2 + self.inflight <= self.stages <= 8:
+            raise SpecError(f"{f}.stages must be {2 + self.inflight}..8 with inflight {self.inflight} (the ring "
+                            f"holds the computed tile, the running ones and a prefetch), got {self.stages}")
         if self.smem_bytes > self.max_smem:
             raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > max_smem {self.max_smem} "
                             f"(lower stages, bm, bn or bk)")
