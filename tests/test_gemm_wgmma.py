@@ -1,5 +1,6 @@
 """The wgmma INT4 GEMM (gemm_wgmma) on the CPU: the 7B / tiny-model GEMMs and non-default tiles render and
-compile for sm_90a with no spills and no local memory and their SASS issues HGMMA; bad specs are rejected
+compile for sm_90a with no spills and no local memory and their SASS issues HGMMA (with
+`inflight` 1, a per-tile wait that leaves one group running); bad specs are rejected
 with a message naming the field; the grid follows M; and a numpy model of one tile checks the index maps
 against the PTX ISA rules: X's shared-memory layout read back through the K-major no-swizzle descriptor
 (core matrix rows 16 bytes apart, SBO between 8-token groups, LBO between k halves) is X^T, the copy
@@ -8,6 +9,7 @@ wgmma's A fragment map, and the SwiGLU row order gives one lane the gate and up 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -59,6 +61,9 @@ def test_sass_uses_warpgroup_mma(built, spec):
     assert "HGMMA.64x64x16.F32" in sass, f"{spec.uri}: no HGMMA.64x64x16.F32 in the SASS"
     assert "HMMA" not in sass, f"{spec.uri}: mma.sync in the SASS"
     assert "LDL" not in sass and "STL" not in sass, f"{spec.uri}: local memory traffic in the SASS"
+    # the per-tile wait keeps `inflight` groups running (ptxas did not turn it into a full drain)
+    waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
+    assert waits == ({"0x1", "0x0"} if spec.inflight else {"0x0"}), f"{spec.uri}: wgmma waits {waits}"
 
 
 @pytest.mark.parametrize("kw,field", [
