@@ -40,6 +40,25 @@ from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 EPILOGUES = ("f32", "residual", "swiglu", "f16")
 
 
+def check_contract(spec) -> None:
+    """What every prefill GEMM family (gemm_int4, gemm_wgmma) asks of the contract they share: the
+    epilogue, bias only where it is added, a k-tile of 64 or 128 inside a scale group, whole N tiles and
+    whole groups along K."""
+    f = spec.family
+    if spec.epilogue not in EPILOGUES:
+        raise SpecError(f"{f}.epilogue must be one of {', '.join(EPILOGUES)}, got {spec.epilogue!r}")
+    if spec.bias and spec.epilogue not in ("f32", "f16"):
+        raise SpecError(f"{f}.bias is only supported with the f32 and f16 epilogues")
+    if spec.bk not in (64, 128):
+        raise SpecError(f"{f}.bk must be 64 or 128, got {spec.bk}")
+    if spec.group % spec.bk:
+        raise SpecError(f"{f}.group ({spec.group}) must be a multiple of bk ({spec.bk})")
+    if spec.n <= 0 or spec.n % spec.bn:
+        raise SpecError(f"{f}.n ({spec.n}) must be a positive multiple of bn ({spec.bn})")
+    if spec.k <= 0 or spec.k % spec.group:
+        raise SpecError(f"{f}.k ({spec.k}) must be a positive multiple of group ({spec.group})")
+
+
 @dataclass(frozen=True)
 class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
@@ -67,19 +86,8 @@ class GemmInt4Spec(KernelSpec):
 
     def validate(self) -> None:
         super().validate()
+        check_contract(self)
         f = self.family
-        if self.epilogue not in EPILOGUES:
-            raise SpecError(f"{f}.epilogue must be one of {', '.join(EPILOGUES)}, got {self.epilogue!r}")
-        if self.bias and self.epilogue not in ("f32", "f16"):
-            raise SpecError(f"{f}.bias is only supported with the f32 and f16 epilogues")
-        if self.bk not in (64, 128):
-            raise SpecError(f"{f}.bk must be 64 or 128, got {self.bk}")
-        if self.group % self.bk:
-            raise SpecError(f"{f}.group ({self.group}) must be a multiple of bk ({self.bk})")
-        if self.n <= 0 or self.n % self.bn:
-            raise SpecError(f"{f}.n ({self.n}) must be a positive multiple of bn ({self.bn})")
-        if self.k <= 0 or self.k % self.group:
-            raise SpecError(f"{f}.k ({self.k}) must be a positive multiple of group ({self.group})")
         if self.bm % (16 * self.warps_m) or self.bn % (8 * self.warps_n):
             raise SpecError(f"{f}: bm must split into warps_m x 16 rows and bn into warps_n x 8 columns "
                             f"(bm={self.bm}, warps_m={self.warps_m}, bn={self.bn}, warps_n={self.warps_n})")

@@ -21,7 +21,7 @@ from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError
-from .gemm import EPILOGUES, GemmInt4Spec
+from .gemm import EPILOGUES, GemmInt4Spec, check_contract
 
 # wgmma's no-swizzle K-major layout: a "core matrix" is 8 rows x 16 bytes stored as 128 contiguous bytes
 CORE_ROWS, CORE_BYTES = 8, 16
@@ -50,23 +50,12 @@ class GemmWgmmaSpec(KernelSpec):
 
     def validate(self) -> None:
         super().validate()
+        check_contract(self)
         f = self.family
-        if self.epilogue not in EPILOGUES:
-            raise SpecError(f"{f}.epilogue must be one of {', '.join(EPILOGUES)}, got {self.epilogue!r}")
-        if self.bias and self.epilogue not in ("f32", "f16"):
-            raise SpecError(f"{f}.bias is only supported with the f32 and f16 epilogues")
-        if self.bk not in (64, 128):
-            raise SpecError(f"{f}.bk must be 64 or 128, got {self.bk}")
-        if self.group % self.bk:
-            raise SpecError(f"{f}.group ({self.group}) must be a multiple of bk ({self.bk})")
         if self.bm <= 0 or self.bm % MMA_N or self.bm > 256:
             raise SpecError(f"{f}.bm must be 64, 128, 192 or 256 (whole n{MMA_N} instructions), got {self.bm}")
         if self.bn <= 0 or self.bn % MMA_M or self.bn > 4 * MMA_M:
             raise SpecError(f"{f}.bn must be 64, 128, 192 or 256 (64 weight rows per warpgroup), got {self.bn}")
-        if self.n <= 0 or self.n % self.bn:
-            raise SpecError(f"{f}.n ({self.n}) must be a positive multiple of bn ({self.bn})")
-        if self.k <= 0 or self.k % self.group:
-            raise SpecError(f"{f}.k ({self.k}) must be a positive multiple of group ({self.group})")
         if self.inflight not in (0, 1):
             raise SpecError(f"{f}.inflight must be 0 or 1 (A fragments are double-buffered), got {self.inflight}")
         if not 2 + self.inflight <= self.stages <= 8:
