@@ -99,6 +99,7 @@ class Multirow:
 class Prefill:
     chunk_tokens: int
     small_m_tokens: int
+    attention_block_keys: int
 
     def __post_init__(self):
         # the prefill kernels' grids cover 1..4096 rows per launch (codegen/kernels/gemm.py: max_m)
@@ -106,6 +107,10 @@ class Prefill:
             raise ConfigError(f"prefill.chunk_tokens must be in 1..4096, got {self.chunk_tokens}")
         if not 0 <= self.small_m_tokens <= 4096:
             raise ConfigError(f"prefill.small_m_tokens must be in 0..4096, got {self.small_m_tokens}")
+        # the attention's KV tiles are 64 keys (codegen/kernels/attention_prefill.py: bkv)
+        if self.attention_block_keys <= 0 or self.attention_block_keys % 64:
+            raise ConfigError(f"prefill.attention_block_keys must be a positive multiple of 64, "
+                              f"got {self.attention_block_keys}")
 
 
 @dataclass(frozen=True)

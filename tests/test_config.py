@@ -33,6 +33,14 @@ def test_format_facts_are_not_config_keys(tmp_path, section, key, value):
         load(_write(tmp_path, data))
 
 
+@pytest.mark.parametrize("value", [0, -64, 96, 100])
+def test_attention_block_keys_are_whole_kv_tiles(tmp_path, value):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    data["prefill"]["attention_block_keys"] = value
+    with pytest.raises(ConfigError, match=rf"^prefill.attention_block_keys must be a positive multiple of 64, got {value}$"):
+        load(_write(tmp_path, data))
+
+
 def test_missing_key_is_named(tmp_path):
     data = yaml.safe_load(DEFAULT_PATH.read_text())
     del data["quant"]["group_size"]

@@ -242,7 +242,8 @@ def test_memory_table_is_what_the_parts_allocate(nqfile, monkeypatch):
     specs = {r: s for r, (s, _fn) in run.decoder.kernels.items()}
     parts = {"state": (run.shared.bufs, state_mod.buffer_bytes(d, 100)),
              "decode": (run.decoder.bufs, decoder_mod.buffer_bytes(d, specs)),
-             "prefill": (run.prefiller.bufs, prefill_mod.buffer_bytes(d, 32, 100, cfg.prefill.small_m_tokens))}
+             "prefill": (run.prefiller.bufs, prefill_mod.buffer_bytes(d, 32, 100, cfg.prefill.small_m_tokens,
+                                                                   cfg.prefill.attention_block_keys))}
     for part, (bufs, want) in parts.items():
         assert {n: bufs[n].nbytes for n in bufs.names} == want, part
     lay = KVLayout.for_model(d, cfg, 100)

@@ -55,11 +55,13 @@ def test_buffer_sizes_match_the_kernels():
     assert shapes["o16"][0] == (C, g["o_proj"].k) and shapes["h"][0] == (C, g["down"].n) == (C, g["o_proj"].n)
     acts = 4 * C * (d.hidden + d.q_dim + 2 * d.kv_dim + d.q_dim) + 2 * C * (d.hidden + d.q_dim + d.intermediate)
     assert acts == 50_855_936   # 48.5 MiB of activations for 512-token chunks of the 7B
-    assert sum(prefill_mod.buffer_bytes(d, C, 4096, 0).values()) == acts + 4 * 4096
-    # split-KV partials: 16 splits x 64 rows x 28 heads x (128 + 2) fp32, none without short chunks
-    parts = prefill_mod.buffer_bytes(d, C, 4096, 64)
+    assert sum(prefill_mod.buffer_bytes(d, C, 4096, 0, 256).values()) == acts + 4 * 4096
+    # split-KV partials: 4096 / 256 = 16 key blocks x 64 rows x 28 heads x (128 + 2) fp32, none without short
+    # chunks
+    parts = prefill_mod.buffer_bytes(d, C, 4096, 64, 256)
     assert (parts["part_acc"], parts["part_ml"]) == (16 * 64 * 28 * 128 * 4, 16 * 64 * 28 * 2 * 4)
-    assert prefill_mod.buffer_bytes(d, 32, 4096, 64)["part_acc"] == 16 * 32 * 28 * 128 * 4  # rows <= chunk
+    assert prefill_mod.buffer_bytes(d, 32, 4096, 64, 256)["part_acc"] == 16 * 32 * 28 * 128 * 4  # rows <= chunk
+    assert prefill_mod.buffer_bytes(d, C, 4100, 64, 512)["part_acc"] == 9 * 64 * 28 * 128 * 4   # blocks round up
 
 
 @pytest.mark.parametrize("role", NO_WEIGHTS)
@@ -117,8 +119,8 @@ def test_prefill_launch_sequence(nqfile, monkeypatch, p0, P, C):
             assert pdl, f"{role} launched without PDL"
             want = spec.launch(n, splits) if role == "prefill.small.attention" else spec.launch(n)
             assert launch == want, f"{role}: grid {launch} for a chunk of {n}"
-            if role == "prefill.small.attention_combine":
-                assert args["splits"] == splits
+            if role == "prefill.small.attention_combine":   # it folds the blocks of each row's own position
+                assert (args["p0"], args["n"]) == (c0, n)
             assert set(args) == {name for name, _ in spec.signature}, role
             for name, kind in spec.signature:
                 v = args[name]
@@ -244,3 +246,4 @@ def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
     L = len(PROMPT) + len(want) - 1
     assert run.cached_tokens == L and dev.fed[:len(q) - L] == q[L:]
     assert got == reference_generation(check, check.prefill(q)[-1], 6, sampling)
+

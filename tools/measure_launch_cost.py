@@ -78,13 +78,13 @@ def measure(rows: int, reps: int, cfg) -> dict:
         return launch(self, *a, **k)
     driver.Function.launch = counted
     try:
-        pre._chunk(c0, rows, 9 << 40)   # warm-up, and the count
+        pre._chunk(pre._launch, rows, 9 << 40, dict(p0=c0, n=rows))   # warm-up, and the count
     finally:
         driver.Function.launch = launch
     samples = []
     for _ in range(reps):
         t = time.perf_counter()
-        pre._chunk(c0, rows, 9 << 40)
+        pre._chunk(pre._launch, rows, 9 << 40, dict(p0=c0, n=rows))
         samples.append(time.perf_counter() - t)
     ms, best = 1e3 * statistics.median(samples), 1e3 * min(samples)
     return {"rows": rows, "position": c0, "launches": count, "ms_per_chunk": ms, "min_ms_per_chunk": best,

@@ -94,10 +94,10 @@ class Param:
         return f"{self.cpp_type} {self.name}" + (f" /* {self.note} */" if self.note else "")
 
     def null_constant(self) -> str:
-        """A variant that does not take this pointer sees it as a null constant, so one kernel body
-        compiles for every variant (its ``if constexpr`` branches never read it)."""
+        """A variant that does not take this parameter sees it as a null (pointer) or zero (scalar)
+        constant, so one kernel body compiles for every variant (the branches it discards read it)."""
         if not self.pointer:
-            raise SpecError(f"kernel parameter {self.name}: only a pointer can be absent from a variant")
+            return f"constexpr {self.ctype} {self.name} = 0;"
         return f"constexpr {'const ' if self.const else ''}{self.ctype}* {self.name} = nullptr;"
 
 

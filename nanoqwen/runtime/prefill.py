@@ -11,8 +11,11 @@ kernel waits before touching what its predecessor wrote):
                   pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
                   -> rmsnorm_prefill -> gemm gate/up (SwiGLU, a16) -> gemm down (h +=)
                   (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail; such
-                  a chunk's attention is split-KV where its keys make 2 splits or more,
+                  a chunk's attention is split-KV where its keys span 2 key blocks or more,
                   attention_prefill -> attention_prefill_combine -> o16)
+Every kernel computes a row with arithmetic that does not depend on the chunk around it (DESIGN.md section
+12; docs/architecture.md, "Chunk invariance"), so a position's K/V and logits are the same bits whether
+it was prefilled cold in a long chunk, in a short tail or reused from the prefix cache.
 Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
 Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
 runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
@@ -82,11 +85,12 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def buffer_bytes(dims, chunk_tokens: int, capacity: int, small_m_tokens: int) -> dict[str, int]:
+def buffer_bytes(dims, chunk_tokens: int, capacity: int, small_m_tokens: int, block_keys: int) -> dict[str, int]:
     """The Prefiller's device buffers: the chunk activations, the token ids of up to ``capacity``
-    positions and the split-KV attention partials of chunks of up to ``small_m_tokens`` rows (none at 0)."""
+    positions and the split-KV attention partials of chunks of up to ``small_m_tokens`` rows (none at 0)
+    over the key blocks (``block_keys`` each) of ``capacity`` positions."""
     rows = min(small_m_tokens, chunk_tokens)
-    acc, ml = attention_prefill.partial_bytes(dims, rows)
+    acc, ml = attention_prefill.partial_bytes(dims, rows, -(-capacity // block_keys))
     return {**{name: _nbytes(*sd) for name, sd in buffer_shapes(dims, chunk_tokens).items()}, "tokens": 4 * capacity,
             **({"part_acc": acc, "part_ml": ml} if rows else {})}
 
@@ -100,7 +104,9 @@ class Prefiller:
     def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int, bufs: Buffers | None = None):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
-        self.bufs = bufs or Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens))
+        self.block_keys = kernels["prefill.attention"][0].block_keys
+        self.bufs = bufs or Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens,
+                                                 self.block_keys))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
         self._grids = {}   # (role, shape) -> Launch: one checked Launch per shape, not one per launch
 
@@ -113,40 +119,40 @@ class Prefiller:
             launch = self._grids[role, shape] = spec.launch(*shape)
         fn.launch(launch, self.shared.stream, True, **args)
 
-    def _attention(self, layer: int, c0: int, n: int) -> None:
-        """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine."""
+    def _attention(self, emit, layer: int, n: int, pos: dict) -> None:
+        """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine;
+        ``pos`` is {"p0", "n"}, the launch scalars."""
         kv, b = self.shared.kv, self.bufs
-        args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table,
-                    p0=c0, n=n)
+        args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table, **pos)
+        parts = dict(part_acc=b.part_acc, part_ml=b.part_ml)   # short chunks (small_m_tokens > 0) only
         role = gemm_role("attention", n, self.small_m_tokens)
-        splits = self.kernels["prefill." + role][0].splits_for(c0 + n)
-        if splits == 1:   # the unsplit kernel: no partials to combine, and the very bits of a long chunk's rows
-            self._launch("attention", n, o16=b.o16, **args)
+        splits = self.kernels["prefill." + role][0].splits_for(pos["p0"] + n)
+        if splits == 1:   # one key block: the unsplit kernel folds nothing either, the very same bits
+            emit("attention", n, o16=b.o16, **args)
             return
-        self._launch(role, n, splits, part_acc=b.part_acc, part_ml=b.part_ml, **args)
-        self._launch(role + "_combine", n, part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16, splits=splits, n=n)
+        emit(role, n, splits, **parts, **args)
+        emit(role + "_combine", n, **parts, o16=b.o16, **pos)
 
-    def _chunk(self, c0: int, n: int, tokens: int) -> None:
-        """Enqueue every kernel of the chunk at positions [c0, c0 + n) (its ids at device address
-        ``tokens``): afterwards bufs.h holds its rows' final residual."""
+    def _chunk(self, emit, n: int, tokens: int, pos: dict) -> None:
+        """Every kernel of a chunk of ``n`` rows (ids at device address ``tokens``) through ``emit(role,
+        *shape, **args)``, at positions [c0, c0 + n) for ``pos`` = {"p0": c0, "n": n}. Afterwards bufs.h
+        holds the rows' final residual."""
         sh, b = self.shared, self.bufs
         W, kv, h = sh.weights.ptr, sh.kv, b.h
 
         def mm(role, x, w, s_, y, w2=0, s2=0, bias=0):
-            self._launch(gemm_role(role, n, self.small_m_tokens), n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias,
-                         y=y, m=n)
+            emit(gemm_role(role, n, self.small_m_tokens), n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
 
-        self._launch("embed", n, tokens=tokens, embed=W("embed"), h=h, err=sh.bufs.err, n=n)
+        emit("embed", n, tokens=tokens, embed=W("embed"), h=h, err=sh.bufs.err, n=n)
         for i in range(self.dims.layers):
             L = f"L{i}."
-            self._launch("rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b.xn, m=n)
+            emit("rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b.xn, m=n)
             mm("qkv", b.xn, W(L + "qkv.packed"), W(L + "qkv.scales"), b.qkv, bias=W(L + "qkv.bias"))
-            self._launch("rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
-                         page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i),
-                         p0=c0, n=n)
-            self._attention(i, c0, n)
+            emit("rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
+                 page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i), **pos)
+            self._attention(emit, i, n, pos)
             mm("o_proj", b.o16, W(L + "o.packed"), W(L + "o.scales"), h)
-            self._launch("rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b.xn, m=n)
+            emit("rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b.xn, m=n)
             mm("gate_up", b.xn, W(L + "gate.packed"), W(L + "gate.scales"), b.a16,
                w2=W(L + "up.packed"), s2=W(L + "up.scales"))
             mm("down", b.a16, W(L + "down.packed"), W(L + "down.scales"), h)
@@ -163,7 +169,7 @@ class Prefiller:
                                    self.shared.stream.handle), "prefill tokens")
         parts = chunks(p0, p1, self.chunk_tokens)
         for c0, n in parts:
-            self._chunk(c0, n, self.bufs.tokens.ptr + 4 * (c0 - p0))
+            self._chunk(self._launch, n, self.bufs.tokens.ptr + 4 * (c0 - p0), dict(p0=c0, n=n))
         return self.bufs.h.ptr + 4 * self.dims.hidden * (p1 - 1 - parts[-1][0])
 
     def close(self) -> None:

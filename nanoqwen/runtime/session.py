@@ -71,7 +71,9 @@ class CudaSession:
         # The parts' buffer tables in their allocation order, which is not free: with the same kernels and
         # SASS the decode step ran 1.8% slower when its activations followed the shared state rather than
         # the prefill buffers (docs/perf-notes.md, "Buffer placement").
-        tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, cfg.prefill.small_m_tokens)}
+        pc = cfg.prefill
+        tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, pc.small_m_tokens,
+                                                       pc.attention_block_keys)}
                   if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
                                          "decode": decoder_mod.buffer_bytes(d, specs)}
         if buckets:   # last: the decode step's buffers keep their measured placement
@@ -90,7 +92,7 @@ class CudaSession:
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
                                    slots=ahead + 2, bufs=bufs["state"])
         self.decoder = Decoder(self.state, kernels, bufs=bufs["decode"])
-        self.prefiller = (Prefiller(self.state, kernels, chunk, cfg.prefill.small_m_tokens, bufs=bufs["prefill"])
+        self.prefiller = (Prefiller(self.state, kernels, chunk, pc.small_m_tokens, bufs=bufs["prefill"])
                           if chunked else None)
         self.rows = RowStep(self.state, {m: {role: kernels[f"m{m}.{role}"] for role in row_specs[m]}
                                          for m in buckets}, bufs=bufs["rows"]) if buckets else None

@@ -11,10 +11,15 @@ the 7B dims (4 KV heads x GQA 7) and the tiny model (1 KV head x 7).
   one fp16 ulp (+ 1e-5 of max|ref|) of the fp32 reference elementwise, and ||o16 - ref|| / ||ref|| <= 1e-3
   (q and p are split fp16 hi + lo in the kernel: the fp32-like part is ~1e-6, the rest is o16's rounding).
   The split=False variant (plain fp16 q and p) is checked at rel 1e-2 (fp16 q alone costs ~1e-3).
-- Split-KV (short chunks: the split attention writes fp32 partials, attention_prefill_combine merges them
-  into o16): chunks (p0, n) after a prefix written by the unsplit kernel, with 1, 3 and max_splits splits
-  and the runtime's splits_for(p0 + n), held to the same tolerances; the partial buffers are poisoned, so
-  a split that skipped a row, or an empty split that wrote NaN instead of (-inf, 0, 0), shows.
+- Split-KV (short chunks: the split attention writes each key block's fp32 partial,
+  attention_prefill_combine folds them into o16): chunks (p0, n) after a prefix written by the unsplit
+  kernel, with 1, 3 and max_splits splits and the runtime's splits_for(p0 + n), held to the same
+  tolerances; the partial buffers are poisoned, so a block that no split wrote, or a fold that read a
+  block a row does not see, shows. Their device_chunk variants (p0, n from device memory, a grid sized for
+  a 64-row bucket, as a chunk graph replays them) too.
+- Chunk invariance (class (a), DESIGN.md section 12): a position's o16 is the same bits whether its chunk
+  was the whole prompt or one of several, unsplit or split over any number of CTAs, launched with its
+  p0, n or reading them from the device.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def fns():
     specs = [s for d in MODELS.values() for s in AP.prefill_attention_specs(d, CFG)]
     specs.append(replace(AP.prefill_attention_specs(MODELS["tiny"], CFG)[1], split=False))
     specs += [s for d in MODELS.values() for s in AP.split_kv_specs(d, CFG)]
+    specs += [s for d in MODELS.values() for s in (*AP.split_kv_specs(d, CFG, device_chunk=True),
+                                                   AP.prefill_attention_specs(d, CFG, device_chunk=True)[0])]
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
 
 
@@ -104,29 +111,34 @@ class Prompt:
         o16 = b["o16"].download(dtype=np.float16, shape=(n, H, D))
         return q_rot, o16
 
-    def chunk_split_kv(self, fns, rope_spec, split_spec, combine_spec, p0: int, n: int, splits: int):
+    def chunk_split_kv(self, fns, rope_spec, split_spec, combine_spec, p0: int, n: int, splits: int,
+                       rows: int | None = None):
         """Run one chunk [p0, p0 + n) through rope_append, the split-KV attention and the combine; returns
-        its o16."""
+        its o16. device_chunk specs read p0, n from a device buffer, over grids sized for ``rows`` rows."""
         b, H, D = self.buf, self.dims.heads, self.dims.head_dim
-        acc = driver.DeviceBuffer(splits * n * H * D * 4)
-        ml = driver.DeviceBuffer(splits * n * H * 2 * 4)
+        blocks = split_spec.blocks(p0 + n)
+        acc = driver.DeviceBuffer(blocks * n * H * D * 4)
+        ml = driver.DeviceBuffer(blocks * n * H * 2 * 4)
+        chunk = driver.DeviceBuffer.from_array(np.array([p0, n], np.int32))
+        pos = dict(chunk=chunk) if split_spec.device_chunk else dict(p0=p0, n=n)
+        grid_n = rows or n
         try:
             b["qkv"].upload(self.qkv[p0:p0 + n])
             for buf in (b["q_rot"], b["o16"], acc, ml):
                 buf.poison()
-            fns[rope_spec].launch(rope_spec.launch(n), None, pdl=False, qkv=b["qkv"], rope_cos=b["rope_cos"],
+            fns[rope_spec].launch(rope_spec.launch(grid_n), None, pdl=False, qkv=b["qkv"], rope_cos=b["rope_cos"],
                                   rope_sin=b["rope_sin"], page_table=b["page_table"], q_rot=b["q_rot"],
-                                  k_pool=b["k_pool"], v_pool=b["v_pool"], p0=p0, n=n)
-            fns[split_spec].launch(split_spec.launch(n, splits), None, pdl=True, q_rot=b["q_rot"],
+                                  k_pool=b["k_pool"], v_pool=b["v_pool"], **pos)
+            fns[split_spec].launch(split_spec.launch(grid_n, splits), None, pdl=True, q_rot=b["q_rot"],
                                    k_pool=b["k_pool"], v_pool=b["v_pool"], page_table=b["page_table"],
-                                   part_acc=acc, part_ml=ml, p0=p0, n=n)
-            fns[combine_spec].launch(combine_spec.launch(n), None, pdl=True, part_acc=acc, part_ml=ml,
-                                     o16=b["o16"], splits=splits, n=n)
+                                   part_acc=acc, part_ml=ml, **pos)
+            fns[combine_spec].launch(combine_spec.launch(grid_n), None, pdl=True, part_acc=acc, part_ml=ml,
+                                     o16=b["o16"], **pos)
             driver.device().synchronize()
             return b["o16"].download(dtype=np.float16, shape=(n, H, D))
         finally:
-            acc.free()
-            ml.free()
+            for buf in (acc, ml, chunk):
+                buf.free()
 
     def check_pages(self, upto: int, what: str) -> None:
         """Positions [0, upto) hold f16(k_rot), f16(v) bit for bit; every other slot is still poison."""
@@ -177,12 +189,15 @@ def test_prefill_chunked(fns, model, chunks):
     dims = MODELS[model]
     rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
     pr = Prompt(dims, np.random.default_rng(), sum(chunks))
+    _, whole = pr.chunk(fns, rope_spec, attn_spec, 0, pr.total)
     p0 = 0
     for n in chunks:
         q_rot, o16 = pr.chunk(fns, rope_spec, attn_spec, p0, n)
         what = f"{model} chunk [{p0}, {p0 + n})"
         assert np.array_equal(q_rot, pr.q_rot[p0:p0 + n]), f"{what}: q_rot differs"
         _check_o16(o16, pr.ref[p0:p0 + n], REL_TOL, what)
+        # class (a): the rows of this chunk are the whole prompt's, bit for bit
+        assert o16.tobytes() == whole[p0:p0 + n].tobytes(), f"{what}: o16 differs from the one-chunk prefill"
         p0 += n
     pr.check_pages(p0, f"{model} chunks {chunks}")
 
@@ -202,11 +217,19 @@ def test_prefill_split_kv(fns, model, p0, n):
     dims = MODELS[model]
     rope_spec, attn_spec = AP.prefill_attention_specs(dims, CFG)
     split_spec, combine_spec = AP.split_kv_specs(dims, CFG)
+    g_split, g_combine = AP.split_kv_specs(dims, CFG, device_chunk=True)
+    g_rope = AP.prefill_attention_specs(dims, CFG, device_chunk=True)[0]
     pr = Prompt(dims, np.random.default_rng(), p0 + n, ref_from=p0)
     if p0:
         pr.chunk(fns, rope_spec, attn_spec, 0, p0)   # the cached prefix, as the unsplit kernel writes it
-    for splits in sorted({1, 3, split_spec.max_splits, split_spec.splits_for(p0 + n)}):
-        o16 = pr.chunk_split_kv(fns, rope_spec, split_spec, combine_spec, p0, n, splits)
-        what = f"{model} split-KV chunk [{p0}, {p0 + n}) splits={splits}"
+    _, unsplit = pr.chunk(fns, rope_spec, attn_spec, p0, n)
+    runs = [(rope_spec, split_spec, combine_spec, s, None)
+            for s in sorted({1, 3, split_spec.max_splits, split_spec.splits_for(p0 + n)})]
+    runs.append((g_rope, g_split, g_combine, g_split.max_splits, 64))   # a chunk graph's launches
+    for rope_, split_, combine_, splits, rows in runs:
+        o16 = pr.chunk_split_kv(fns, rope_, split_, combine_, p0, n, splits, rows)
+        what = f"{model} split-KV chunk [{p0}, {p0 + n}) splits={splits}{' device_chunk' if rows else ''}"
         pr.check_pages(p0 + n, what)
         _check_o16(o16, pr.ref, REL_TOL, what)
+        # class (a): the key blocks and their fold are the unsplit kernel's, whichever CTA computed them
+        assert o16.tobytes() == unsplit.tobytes(), f"{what}: o16 differs from the unsplit kernel's"

@@ -9,17 +9,25 @@
    hi + lo) of the chunk against keys [0, p0 + n), o16 f16 [n, heads*head_dim] out (the o_proj GEMM's X).
    Parameters: q_rot, k_pool, v_pool, page_table, o16, p0, n. Grid ``launch(n)``: (ceil(n / (16*warps)),
    heads), dynamic shared memory 2 slots x (K + V) tiles of bkv keys + the q hi / lo tiles.
+   **Key blocks** (DESIGN.md section 12, templates/kv_blocks.cuh): the keys are cut at fixed multiples of
+   ``block_keys``; a row's softmax restarts at each boundary and the blocks' partials are folded in
+   ascending order with explicit roundings, so a position's output is bitwise the same in any chunk.
    Split-KV variant (``max_splits > 1``, for short chunks: a prefix-reuse tail of 32 tokens at p0 = 4064 is
-   28 CTAs walking 64 KV tiles each otherwise): grid ``launch(n, splits)`` = (q tiles, heads, splits),
-   split s walks a contiguous share of the CTA's KV tiles and writes its unnormalized partial instead of
-   o16 (parameters part_acc, part_ml in place of o16); ``splits_for(p0 + n)`` picks the split count.
-3. ``attention_prefill_combine``: merges the splits (attention.cuh's log-sum-exp weights) into o16.
-   Parameters: part_acc, part_ml, o16, splits, n. Grid ``launch(n)``: (n, heads), block head_dim.
+   28 CTAs walking 64 KV tiles each otherwise): grid ``launch(n, splits)`` = (q tiles, heads, splits), CTA
+   z walks key blocks z, z + splits, ... and writes each block's partial instead of folding it (parameters
+   part_acc, part_ml in place of o16); ``splits_for(p0 + n)`` picks the split count (any count gives the
+   same bits: it only says which CTA computes which block).
+3. ``attention_prefill_combine``: folds a row's key-block partials into o16, the unsplit kernel's fold.
+   Parameters: part_acc, part_ml, o16, p0, n. Grid ``launch(n)``: (n, heads), block head_dim.
 
-Partials, fp32, per split s, chunk row r and query head h (index (s * n + r) * heads + h): ``part_acc
+``device_chunk`` variants (all three kernels) take ``chunk`` (int32 [2] = p0, n in device memory) instead
+of the p0, n launch scalars: a captured CUDA graph of a chunk-size bucket replays one grid for any chunk
+of up to the bucket's rows at any position.
+
+Partials, fp32, per key block j, chunk row r and query head h (index (j * n + r) * heads + h): ``part_acc
 [.., head_dim]`` the sum exp2(s2 - m2) * v, ``part_ml [.., 2]`` (m2, l), scores in base-2 units as in the
-decode partials (kernels/attention.py); a split that sees no key of a row writes (-inf, 0, 0).
-Sizes: ``partial_bytes(dims, rows)`` for chunks of up to ``rows`` tokens and MAX_KV_SPLITS splits.
+decode partials (kernels/attention.py); a block that holds no key of a row is never read for it.
+Sizes: ``partial_bytes(dims, rows, blocks)`` for chunks of up to ``rows`` tokens and ``blocks`` key blocks.
 
 Pools are [num_pages, kv_heads, page_size, head_dim] fp16; the page table maps logical page -> physical page
 and must cover positions [0, p0 + n)."""
@@ -28,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
@@ -36,6 +43,18 @@ from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
 
 MAX_KV_SPLITS = 16   # split-KV variant's most splits: 16 x 28 heads = 448 CTAs on the 7B (132 SMs)
+
+
+def chunk_params(device_chunk: bool) -> tuple[tuple[Param, bool], ...]:
+    """The chunk's first position and row count, with whether a variant takes each: launch scalars, or
+    (``device_chunk``) one device pointer to both, which a captured graph reads at replay."""
+    return ((scalar("p0", "int"), not device_chunk), (scalar("n", "int"), not device_chunk),
+            (inp("chunk", "int", note="p0, n"), device_chunk))
+
+
+def absent_params(family_params) -> str:
+    """The constants standing for the parameters a variant does not take (Param.null_constant)."""
+    return "\n".join(p.null_constant() for p, taken in family_params if not taken)
 
 
 def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
@@ -52,15 +71,25 @@ class RopeAppendPrefillSpec(KernelSpec):
     family = "rope_append_prefill"
     template = "rope_append_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
-    kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("qkv", "float"), inp("rope_cos", "float"), inp("rope_sin", "float"), inp("page_table", "int"),
-        out("q_rot", "float"), out("k_pool", "f16"), out("v_pool", "f16"), scalar("p0", "int"), scalar("n", "int"))
 
     head_dim: int
     heads: int
     kv_heads: int
     page_size: int = 16
     max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+    device_chunk: bool = False   # p0, n from the device (chunk) rather than the launch
+
+    def _family_params(self) -> tuple[tuple[Param, bool], ...]:
+        return ((inp("qkv", "float"), True), (inp("rope_cos", "float"), True), (inp("rope_sin", "float"), True),
+                (inp("page_table", "int"), True), (out("q_rot", "float"), True), (out("k_pool", "f16"), True),
+                (out("v_pool", "f16"), True), *chunk_params(self.device_chunk))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
+
+    def context(self) -> dict:
+        return super().context() | {"absent_params": absent_params(self._family_params())}
 
     def validate(self) -> None:
         super().validate()
@@ -77,7 +106,7 @@ class RopeAppendPrefillSpec(KernelSpec):
 class AttentionPrefillSpec(KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
-    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "max_splits")
+    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "block_keys", "max_splits")
 
     head_dim: int
     heads: int
@@ -89,6 +118,8 @@ class AttentionPrefillSpec(KernelSpec):
     max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
     max_splits: int = 1      # 1: o16 out; > 1: split-KV partials out, up to max_splits splits (grid.z)
+    block_keys: int = 256    # keys per key block: the fixed boundaries of each row's softmax
+    device_chunk: bool = False   # p0, n from the device (chunk) rather than the launch
 
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
@@ -96,15 +127,14 @@ class AttentionPrefillSpec(KernelSpec):
         return ((inp("q_rot", "float"), True), (inp("k_pool", "f16"), True), (inp("v_pool", "f16"), True),
                 (inp("page_table", "int"), True), (out("o16", "f16"), not split_kv),
                 (out("part_acc", "float"), split_kv), (out("part_ml", "float"), split_kv),
-                (scalar("p0", "int"), True), (scalar("n", "int"), True))
+                *chunk_params(self.device_chunk))
 
     @property
     def kernel_params(self) -> tuple[Param, ...]:
         return tuple(p for p, taken in self._family_params() if taken)
 
     def context(self) -> dict:
-        absent = [p.null_constant() for p, taken in self._family_params() if not taken]
-        return super().context() | {"absent_params": "\n".join(absent)}
+        return super().context() | {"absent_params": absent_params(self._family_params())}
 
     def validate(self) -> None:
         super().validate()
@@ -122,6 +152,7 @@ class AttentionPrefillSpec(KernelSpec):
             raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > max_smem {self.max_smem} (lower bkv)")
         if self.max_n <= 0:
             raise SpecError(f"{f}.max_n must be positive, got {self.max_n}")
+        check_block_keys(f, self.block_keys, self.bkv)
 
     @property
     def smem_bytes(self) -> int:
@@ -136,9 +167,13 @@ class AttentionPrefillSpec(KernelSpec):
         bq = 16 * self.warps
         return Launch(grid=(-(-n // bq), self.heads, splits), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
 
+    def blocks(self, keys: int) -> int:
+        """Key blocks holding keys [0, keys)."""
+        return -(-keys // self.block_keys)
+
     def splits_for(self, keys: int) -> int:
-        """KV splits of a chunk whose last row sees ``keys`` keys: 2 whole KV tiles or more per split."""
-        return max(1, min(self.max_splits, -(-keys // self.bkv) // 2))
+        """KV splits of a chunk whose last row sees ``keys`` keys: one per key block, at most max_splits."""
+        return max(1, min(self.max_splits, self.blocks(keys)))
 
     def flops(self, p0: int, n: int) -> int:
         """Useful (causal) flops: 4 * head_dim per (query, visible key) pair per head."""
@@ -150,14 +185,24 @@ class AttentionPrefillSpec(KernelSpec):
 class AttentionPrefillCombineSpec(KernelSpec):
     family = "attention_prefill_combine"
     template = "attention_prefill_combine.cu.j2"
-    uri_fields = ("head_dim", "heads")
-    kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"), scalar("splits", "int"),
-        scalar("n", "int"))
+    uri_fields = ("head_dim", "heads", "block_keys")
 
     head_dim: int
     heads: int
     max_n: int = 4096        # chunk length the default grid covers (launch(n) sizes it for a call)
+    block_keys: int = 256    # keys per key block (the attention's)
+    device_chunk: bool = False   # p0, n from the device (chunk) rather than the launch
+
+    def _family_params(self) -> tuple[tuple[Param, bool], ...]:
+        return ((inp("part_acc", "float"), True), (inp("part_ml", "float"), True), (out("o16", "f16"), True),
+                *chunk_params(self.device_chunk))
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
+
+    def context(self) -> dict:
+        return super().context() | {"absent_params": absent_params(self._family_params())}
 
     def validate(self) -> None:
         super().validate()
@@ -165,29 +210,40 @@ class AttentionPrefillCombineSpec(KernelSpec):
             raise SpecError(f"{self.family}.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
         if self.heads <= 0 or self.max_n <= 0:
             raise SpecError(f"{self.family}: heads and max_n must be positive, got {self.heads}, {self.max_n}")
+        check_block_keys(self.family, self.block_keys, 16)
 
     def launch(self, n: int | None = None) -> Launch:
         return Launch(grid=(self.max_n if n is None else n, self.heads, 1), block=(self.head_dim, 1, 1))
 
 
-def partial_bytes(dims: ModelDims, rows: int) -> tuple[int, int]:
-    """(part_acc, part_ml) bytes of the split-KV partials of chunks of up to ``rows`` tokens."""
-    parts = MAX_KV_SPLITS * rows * dims.heads
+def check_block_keys(family: str, block_keys: int, tile: int) -> None:
+    if block_keys <= 0 or block_keys % tile:
+        raise SpecError(f"{family}.block_keys must be a positive multiple of {tile} (whole KV tiles), got {block_keys}")
+
+
+def partial_bytes(dims: ModelDims, rows: int, blocks: int) -> tuple[int, int]:
+    """(part_acc, part_ml) bytes of the split-KV partials of chunks of up to ``rows`` tokens whose keys
+    span up to ``blocks`` key blocks."""
+    parts = blocks * rows * dims.heads
     return parts * dims.head_dim * 4, parts * 2 * 4
 
 
-def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, device_chunk: bool = False
                             ) -> tuple[RopeAppendPrefillSpec, AttentionPrefillSpec]:
     kw = dict(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=cfg.kv_cache.page_size)
-    return RopeAppendPrefillSpec(**kw), AttentionPrefillSpec(**kw, max_smem=gpu.max_smem)
+    return (RopeAppendPrefillSpec(**kw, device_chunk=device_chunk),
+            AttentionPrefillSpec(**kw, max_smem=gpu.max_smem, block_keys=cfg.prefill.attention_block_keys,
+                                 device_chunk=device_chunk))
 
 
-def split_kv_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT
+def split_kv_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, device_chunk: bool = False
                    ) -> tuple[AttentionPrefillSpec, AttentionPrefillCombineSpec]:
     """The split-KV attention of short chunks and its combine, in launch order."""
-    attn = dataclasses.replace(prefill_attention_specs(dims, cfg, gpu)[1], max_splits=MAX_KV_SPLITS)
-    return attn, AttentionPrefillCombineSpec(head_dim=dims.head_dim, heads=dims.heads)
+    attn = dataclasses.replace(prefill_attention_specs(dims, cfg, gpu, device_chunk)[1], max_splits=MAX_KV_SPLITS)
+    return attn, AttentionPrefillCombineSpec(head_dim=dims.head_dim, heads=dims.heads, block_keys=attn.block_keys,
+                                             device_chunk=device_chunk)
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
-    return [*prefill_attention_specs(dims, cfg, gpu), *split_kv_specs(dims, cfg, gpu)]
+    return [*prefill_attention_specs(dims, cfg, gpu), *split_kv_specs(dims, cfg, gpu),
+            prefill_attention_specs(dims, cfg, gpu, device_chunk=True)[0], *split_kv_specs(dims, cfg, gpu, True)]

@@ -1,0 +1,115 @@
+"""Chunk invariance of the CUDA prefill (DESIGN.md section 12; docs/architecture.md, "Chunk invariance"):
+a prompt position's K/V, hidden state and logits are the same bits whether it was prefilled cold in a long
+chunk, reused from the prefix cache or prefilled in a short tail chunk.
+
+Class (a) throughout (docs/architecture.md, "Exact or within a tolerance"): every comparison here is of
+the same per-row arithmetic by construction, so logits and K/V are compared as bits and greedy tokens
+with no tolerance.
+
+* 50 prompts of committed Python (tests/_texts.py, fixed windows), each cut at several points (mid-page,
+  page-aligned, at and across the 256-key attention block and the 512-row chunk boundaries, a 32-token
+  editor tail, the last token): the request that reuses the cut's prefix gives the cold request's logits
+  rows and tokens, bit for bit;
+* one prompt prefilled in chunks of 1 .. 512 rows (the default and the small-M tiles, unsplit and split-KV
+  attention): the same K/V pages and last-position logits, bit for bit, on the trained small-py model and
+  on a random model with the 7B's layer shapes (28 heads, 4 KV heads, head_dim 128)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from _margins import assert_same_pairs
+
+from .test_prefill_runtime import corpus, gathered_pages, window  # noqa: F401
+from nanoqwen import config
+
+pytestmark = pytest.mark.gpu
+
+CFG = config.default()
+PAGE = CFG.kv_cache.page_size
+BLOCK = CFG.prefill.attention_block_keys
+CHUNK = CFG.prefill.chunk_tokens
+CONTEXT = 1024
+NEW = 8
+PROMPTS = 50
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def engine(packed):
+    """A graph session of the trained small-py model whose pool holds two full-context sequences."""
+    from nanoqwen.runtime.session import CudaSession
+    s = CudaSession(packed("small-py"), CONTEXT, kv_tokens=2 * CONTEXT, log=lambda m: print(m, file=sys.stderr))
+    yield s
+    s.close()
+
+
+def cuts(P: int) -> list[int]:
+    """Reused prefix lengths of a prompt of P tokens: mid-page, page-aligned, the first key block's end and
+    just past it, the first chunk's end and just past it, a 32-token tail, the last token."""
+    want = [37, 3 * PAGE, BLOCK, BLOCK + 5, CHUNK, CHUNK + 1, P - 32, P - 1]
+    return sorted({c for c in want if 1 <= c <= P - 1})
+
+
+def test_cached_request_equals_cold(engine, corpus):
+    rng = np.random.default_rng(21)   # fixed windows: the same 50 prompts every run
+    s, checked = engine, 0
+    for k in range(PROMPTS):
+        P = int(rng.integers(300, 800))
+        prompt = window(corpus, rng, P)
+        s.runner.cache.clear()
+        cold = list(s.generate(prompt, NEW, logits=True))
+        assert s.cached_tokens == 0
+        for L in cuts(P):
+            s.runner.cache.clear()
+            list(s.generate(prompt[:L], 1))   # keeps exactly positions [0, L)
+            got = list(s.generate(prompt, NEW, logits=True))
+            assert s.cached_tokens == L
+            assert_same_pairs(got, cold, f"prompt {k} (P={P}) reusing {L}")
+            checked += 1
+    print(f"{checked} cached requests equal their cold runs bit for bit", file=sys.stderr)
+
+
+def prefill_in_chunks(s, prompt, chunk: int):
+    """Prefill ``prompt`` on fresh pages in chunks of ``chunk`` rows: (last-position logits, token,
+    per-layer K/V pages)."""
+    P, sh, pre = len(prompt), s.state, s.prefiller
+    saved = pre.chunk_tokens
+    pre.chunk_tokens = chunk
+    try:
+        s.runner.reserve(P + 1)
+        s.runner.prefill(prompt, 0, read_token=True, read_logits=True)
+        sh.wait_step(P - 1)
+        logits, token = sh.logits(), int(sh.tok_out[P - 1])
+        sh.check_errors()
+    finally:
+        pre.chunk_tokens = saved
+    return logits, token, gathered_pages(s, P)
+
+
+def assert_same_prefill(got, want, what: str) -> None:
+    (lg, tg, pg), (lw, tw, pw) = got, want
+    assert tg == tw, f"{what}: token {tg} != {tw}"
+    assert np.array_equal(bits(lg), bits(lw)), f"{what}: last-position logits differ"
+    for i, (layer_g, layer_w) in enumerate(zip(pg, pw)):
+        for name, g, w in zip("KV", layer_g, layer_w):
+            same = g.view(np.uint16) == w.view(np.uint16)
+            if not same.all():
+                pos = int(np.argwhere(~same)[0][0])
+                raise AssertionError(f"{what}: layer {i} {name} pages differ first at position {pos}")
+
+
+@pytest.mark.parametrize("model", ["small-py", "7b-shapes"])
+def test_any_chunk_size_gives_the_same_bits(sessions, corpus, model):
+    s = sessions(model, context=CONTEXT)
+    prompt = window(corpus, np.random.default_rng(5), 700) if model == "small-py" else \
+        np.random.default_rng(5).integers(0, s.dims.vocab, 700).tolist()
+    whole = prefill_in_chunks(s, prompt, CHUNK)
+    for chunk in (300, 100, 64, 33, 32, 17, 8, 1):   # at most the session's chunk (its buffers' rows)
+        assert_same_prefill(prefill_in_chunks(s, prompt, chunk), whole, f"{model}: chunks of {chunk}")
