@@ -100,6 +100,7 @@ class Prefill:
     chunk_tokens: int
     small_m_tokens: int
     attention_block_keys: int
+    graph_buckets: tuple[int, ...]
 
     def __post_init__(self):
         # the prefill kernels' grids cover 1..4096 rows per launch (codegen/kernels/gemm.py: max_m)
@@ -111,6 +112,10 @@ class Prefill:
         if self.attention_block_keys <= 0 or self.attention_block_keys % 64:
             raise ConfigError(f"prefill.attention_block_keys must be a positive multiple of 64, "
                               f"got {self.attention_block_keys}")
+        # (a bucket above small_m_tokens or the session's chunk is never used: runtime/prefill.py usable_buckets)
+        b = self.graph_buckets
+        if list(b) != sorted(set(b)) or (b and (b[0] < 1 or b[-1] > 4096)):
+            raise ConfigError(f"prefill.graph_buckets must rise strictly within 1..4096, got {list(b)}")
 
 
 @dataclass(frozen=True)

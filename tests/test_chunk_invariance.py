@@ -1,6 +1,6 @@
 """Chunk invariance on the CPU (DESIGN.md section 12; docs/architecture.md, "Chunk invariance"): for every
-chunk size the prefill can meet (1 .. prefill.chunk_tokens rows), the kernel specs it launches share
-everything that fixes the order of a row's arithmetic:
+chunk size the prefill can meet (1 .. prefill.chunk_tokens rows, launched kernel by kernel or replayed as a
+chunk graph), the kernel specs it launches share everything that fixes the order of a row's arithmetic:
 
 - the GEMM of each role: one family (gemm_int4: mma.sync m16n8k16, K walked in ascending k16 steps from a
   zero accumulator), no split-K, the same N, K, scale group, epilogue and bias; only the tile M / N and the
@@ -28,13 +28,17 @@ MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
 ROLES = ("qkv", "o_proj", "gate_up", "down")
 
 
-def launched(specs: dict, n: int) -> dict:
+def launched(specs: dict, n: int, graph: bool) -> dict:
     """Role -> the spec a chunk of n rows launches (runtime/prefill.py's choice)."""
     small_m = CFG.prefill.small_m_tokens
     out = {r: specs["prefill." + prefill_mod.gemm_role(r, n, small_m)] for r in ROLES}
     out["rmsnorm"] = specs["prefill.rmsnorm"]
-    out["attention"] = specs["prefill." + prefill_mod.gemm_role("attention", n, small_m)]
-    out["combine"] = specs["prefill.small.attention_combine"]
+    if graph:
+        out["attention"] = specs["prefill.graph.attention"]
+        out["combine"] = specs["prefill.graph.attention_combine"]
+    else:
+        out["attention"] = specs["prefill." + prefill_mod.gemm_role("attention", n, small_m)]
+        out["combine"] = specs["prefill.small.attention_combine"]
     return out
 
 
@@ -53,10 +57,11 @@ def row_order(role: str, spec):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_chunk_size_shares_the_row_order(model):
     specs = prefill_mod.prefill_specs(MODELS[model], CFG)
-    chunks = range(1, CFG.prefill.chunk_tokens + 1)
+    chunks = [(n, False) for n in range(1, CFG.prefill.chunk_tokens + 1)]
+    chunks += [(b, True) for b in CFG.prefill.graph_buckets]
     orders = {}
-    for n in chunks:
-        for role, spec in launched(specs, n).items():
+    for n, graph in chunks:
+        for role, spec in launched(specs, n, graph).items():
             orders.setdefault(role, set()).add(row_order(role, spec))
     assert all(len(o) == 1 for o in orders.values()), {r: o for r, o in orders.items() if len(o) > 1}
     for role in ROLES:
@@ -65,8 +70,17 @@ def test_every_chunk_size_shares_the_row_order(model):
     (attn,) = orders["attention"]
     assert attn[1] == CFG.prefill.attention_block_keys and attn[1] % attn[2] == 0
     # and the tiles do vary: the invariance is not bought by running one tile shape for every chunk
-    tiles = {(s.bm, s.bn) for n in chunks for s in [launched(specs, n)["down"]]}
+    tiles = {(s.bm, s.bn) for n, graph in chunks for s in [launched(specs, n, graph)["down"]]}
     assert len(tiles) == 2
+
+
+def test_graph_buckets_are_usable():
+    """The default buckets are all replayable: within small_m_tokens and chunk_tokens."""
+    p = CFG.prefill
+    assert prefill_mod.usable_buckets(p.graph_buckets, p.small_m_tokens, p.chunk_tokens) == list(p.graph_buckets)
+    assert prefill_mod.usable_buckets((8, 16, 32, 64), 32, 512) == [8, 16, 32]
+    assert prefill_mod.usable_buckets((8, 16, 32, 64), 64, 17) == [8, 16]
+    assert prefill_mod.usable_buckets((8, 16), 0, 512) == []
 
 
 def _gemm_specs():

@@ -41,6 +41,20 @@ def test_attention_block_keys_are_whole_kv_tiles(tmp_path, value):
         load(_write(tmp_path, data))
 
 
+@pytest.mark.parametrize("value", [[16, 8], [8, 8], [0, 8], [8, 5000]])
+def test_graph_buckets_rise_within_the_chunk_limit(tmp_path, value):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    data["prefill"]["graph_buckets"] = value
+    with pytest.raises(ConfigError, match=r"^prefill.graph_buckets must rise strictly within 1..4096, got "):
+        load(_write(tmp_path, data))
+
+
+def test_no_graph_buckets_is_allowed(tmp_path):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    data["prefill"]["graph_buckets"] = []
+    assert load(_write(tmp_path, data)).prefill.graph_buckets == ()
+
+
 def test_missing_key_is_named(tmp_path):
     data = yaml.safe_load(DEFAULT_PATH.read_text())
     del data["quant"]["group_size"]

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from nanoqwen import config, testmodels
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
+from nanoqwen.runtime import chunk_graphs as chunk_graphs_mod
 from nanoqwen.runtime import decoder as decoder_mod
 from nanoqwen.runtime import memory as memory_mod
 from nanoqwen.runtime import prefill as prefill_mod
@@ -187,21 +188,23 @@ class FakeKV:
 
 
 def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambda role, spec: FakeFn(spec),
-                kv_tokens=None) -> Runner:
+                kv_tokens=None, graph_buckets=()) -> Runner:
     """The CUDA engine's parts on the fake driver: a SequenceState, a Decoder, a Prefiller when ``chunk``
-    is given (else by_steps), and the Runner over them; ``fn(role, spec)`` makes each kernel."""
+    is given (else by_steps; with chunk graphs of ``graph_buckets``), and the Runner over them; ``fn(role,
+    spec)`` makes each kernel."""
     cfg = config.default()
     d = nqfile.dims
-    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod):
+    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
         monkeypatch.setattr(mod, "driver", FakeDriver)
-    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod):
+    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
         monkeypatch.setattr(mod, "cu", FakeCu)
     specs = decoder_mod.step_specs(d, cfg) | (prefill_mod.prefill_specs(d, cfg) if chunk else {})
     kernels = {role: (spec, fn(role, spec)) for role, spec in specs.items()}
     layout = KVLayout.for_model(d, cfg, capacity, kv_tokens)
     rope = (np.zeros((capacity, d.head_dim // 2), np.float32),) * 2
     shared = state_mod.SequenceState(d, FakeWeights(nqfile), FakeKV(layout), rope, capacity, slots=ahead + 2)
-    pre = prefill_mod.Prefiller(shared, kernels, chunk, cfg.prefill.small_m_tokens) if chunk else None
+    pre = prefill_mod.Prefiller(shared, kernels, chunk, cfg.prefill.small_m_tokens,
+                                graph_buckets=graph_buckets) if chunk else None
     cache = PrefixCache(layout.num_pages, layout.page_size)
     return Runner(shared, decoder_mod.Decoder(shared, kernels), pre, cache, capacity, ahead)
 

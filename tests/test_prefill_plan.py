@@ -57,11 +57,14 @@ def test_buffer_sizes_match_the_kernels():
     assert acts == 50_855_936   # 48.5 MiB of activations for 512-token chunks of the 7B
     assert sum(prefill_mod.buffer_bytes(d, C, 4096, 0, 256).values()) == acts + 4 * 4096
     # split-KV partials: 4096 / 256 = 16 key blocks x 64 rows x 28 heads x (128 + 2) fp32, none without short
-    # chunks
-    parts = prefill_mod.buffer_bytes(d, C, 4096, 64, 256)
+    # chunks; the chunk graphs' inputs: p0, n and the ids of the largest usable bucket
+    parts = prefill_mod.buffer_bytes(d, C, 4096, 64, 256, (8, 16, 32, 64))
     assert (parts["part_acc"], parts["part_ml"]) == (16 * 64 * 28 * 128 * 4, 16 * 64 * 28 * 2 * 4)
+    assert parts["graph_in"] == 4 * (2 + 64)
     assert prefill_mod.buffer_bytes(d, 32, 4096, 64, 256)["part_acc"] == 16 * 32 * 28 * 128 * 4  # rows <= chunk
     assert prefill_mod.buffer_bytes(d, C, 4100, 64, 512)["part_acc"] == 9 * 64 * 28 * 128 * 4   # blocks round up
+    assert prefill_mod.buffer_bytes(d, 32, 4096, 64, 256, (8, 16, 32, 64))["graph_in"] == 4 * (2 + 32)
+    assert "graph_in" not in prefill_mod.buffer_bytes(d, C, 4096, 0, 256, (8, 16))   # no small chunks: no graphs
 
 
 @pytest.mark.parametrize("role", NO_WEIGHTS)
@@ -247,3 +250,93 @@ def test_generate_over_a_batched_prefill(nqfile, monkeypatch, sampling):
     assert run.cached_tokens == L and dev.fed[:len(q) - L] == q[L:]
     assert got == reference_generation(check, check.prefill(q)[-1], 6, sampling)
 
+
+BUCKETS = (8, 16, 32, 64)
+
+
+def graph_roles(layers: int) -> list[str]:
+    """A chunk graph's roles: the small-M GEMMs, the device_chunk rope and split-KV attention + combine."""
+    per_layer = ["rmsnorm", "small.qkv", "graph.rope_append", "graph.attention", "graph.attention_combine",
+                 "small.o_proj", "rmsnorm", "small.gate_up", "small.down"]
+    return ["embed"] + per_layer * layers
+
+
+def test_chunk_graph_sequences(nqfile, monkeypatch):
+    """Each bucket's captured sequence: every row of the bucket through embed, norms and GEMMs, and the
+    kernels that place rows at positions (rope, attention, combine) reading p0 and n from graph_in."""
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=512, graph_buckets=BUCKETS)
+    pre, kernels = run.prefiller, run.decoder.kernels
+    gin = pre.bufs.graph_in.ptr
+    assert pre.graphs.buckets == list(BUCKETS) and pre.bufs.graph_in.nbytes == 4 * (2 + 64)
+    for b in BUCKETS:
+        seq = pre.graphs.sequences[b]
+        assert [role for role, _, _ in seq] == graph_roles(nqfile.dims.layers)
+        for role, shape, args in seq:
+            spec = kernels["prefill." + role][0]
+            assert set(args) == {name for name, _ in spec.signature}, role
+            assert shape == ((b, spec.max_splits) if role == "graph.attention" else (b,)), role
+            if "chunk" in args:
+                assert args["chunk"] == gin and spec.device_chunk
+            for name in ("m", "n"):
+                if name in args:
+                    assert args[name] == b, f"{role}.{name}"
+        assert seq[0][2]["tokens"] == gin + 8
+
+
+class FakeGraph:
+    """A captured chunk graph on the fake device: its replay records the bucket and what graph_in holds."""
+
+    def __init__(self, b, log, gin):
+        self.b, self.log, self.gin = b, log, gin
+
+    def launch(self, stream=None):
+        self.log.append((self.b, self.gin.mem.view(np.int32)[:2 + self.b].tolist()))
+
+
+@pytest.mark.parametrize("p0,P,C", [(0, 5, 512), (0, 64, 512), (0, 65, 512), (100, 132, 512), (0, 600, 512),
+                                    (37, 600, 512), (0, 100, 32), (3, 50, 16), (0, 70, 64)])
+def test_short_chunks_replay_graphs(nqfile, monkeypatch, p0, P, C):
+    """Once captured, a chunk of n <= the largest usable bucket replays the smallest bucket holding it,
+    with graph_in = (p0, n, its ids, the last id repeated); longer chunks launch kernel by kernel; with
+    ``replay`` off every chunk does."""
+    log, replays = [], []
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=C, fn=lambda role, spec: RecFn(role, log),
+                      graph_buckets=BUCKETS)
+    pre = run.prefiller
+    assert pre.graph_rows() == 0, "not captured: kernel by kernel"
+    pre.graphs.graphs = {b: FakeGraph(b, replays, pre.bufs.graph_in) for b in pre.graphs.buckets}
+    usable = [b for b in BUCKETS if b <= min(C, SMALL_M)]
+    assert pre.graph_rows() == usable[-1]
+    prompt = ((np.arange(P) * 37 + 5) % nqfile.dims.vocab).tolist()
+    run.prefill(prompt[p0:], p0, read_token=True)
+    plan = prefill_mod.chunks(p0, P, C)
+    short = [(c0, n) for c0, n in plan if n <= usable[-1]]
+    want = []
+    for c0, n in short:
+        b = next(b for b in usable if b >= n)
+        ids = prompt[c0:c0 + n]
+        want.append((b, [c0, n] + ids + [ids[-1]] * (b - n)))
+    assert replays == want
+    assert [r for r, *_ in log] == [role for c0, n in plan if n > usable[-1]
+                                    for role in chunk_roles(c0, n, nqfile.dims.layers)] + ["lm_head"]
+    log.clear()
+    replays.clear()
+    pre.replay = False
+    run.prefill(prompt[p0:], p0, read_token=True)
+    assert not replays and [r for r, *_ in log] == [role for c0, n in plan
+                                                    for role in chunk_roles(c0, n, nqfile.dims.layers)] + ["lm_head"]
+
+
+def test_warm_runs_each_bucket_once(nqfile, monkeypatch):
+    """Before the capture each bucket's kernels run once, as one token at position 0 (a valid id in every
+    row: the padded rows embed it too)."""
+    log = []
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=512, fn=lambda role, spec: RecFn(role, log),
+                      graph_buckets=BUCKETS)
+    pre = run.prefiller
+    pre.warm()
+    roles = ["prefill." + r for r in graph_roles(nqfile.dims.layers)]
+    assert [r for r, *_ in log] == roles * len(BUCKETS)
+    assert pre.bufs.graph_in.mem.view(np.int32)[:2 + 64].tolist() == [0, 1] + [0] * 64
+    with pytest.raises(ValueError, match="a chunk graph takes 1..64 rows, got 65"):
+        pre.graphs.bucket(65)

@@ -16,6 +16,8 @@ kernel waits before touching what its predecessor wrote):
 Every kernel computes a row with arithmetic that does not depend on the chunk around it (DESIGN.md section
 12; docs/architecture.md, "Chunk invariance"), so a position's K/V and logits are the same bits whether
 it was prefilled cold in a long chunk, in a short tail or reused from the prefix cache.
+Chunks of up to the largest usable ``prefill.graph_buckets`` row count replay one captured graph
+(runtime/chunk_graphs.py) once captured; the others are launched kernel by kernel.
 Chunks share nothing but the KV pages: a later chunk reads the earlier ones' keys from the cache. The
 Prefiller returns the device address of the last row's final residual; the Runner (runtime/runner.py)
 runs the decode step's own lm_head_argmax on it with the device state at (token, p1 - 1, p1 - 1), which
@@ -32,10 +34,12 @@ import numpy as np
 from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
 from ..codegen.kernels import attention_prefill, embed_prefill, gemm
 from . import driver
+from .chunk_graphs import ChunkGraphs, graph_input_bytes
 from .driver import check, cu
 from .memory import Buffers
 
 SMALL = "small."   # role prefix of the small-M GEMMs
+GRAPH = "graph."   # role prefix of the device_chunk kernels a chunk graph replays
 
 
 def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
@@ -43,16 +47,24 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     decode step's roles (runtime/decoder.py step_specs) in one kernel table. Each GEMM comes twice:
     ``prefill.<role>`` with the default tiles and ``prefill.small.<role>`` with gemm.SMALL_M_TILES for
     chunks of at most ``prefill.small_m_tokens`` rows, and so does the attention: ``prefill.small.attention``
-    is the split-KV variant, followed by ``prefill.small.attention_combine`` (one split: ``prefill.attention``)."""
+    is the split-KV variant, followed by ``prefill.small.attention_combine`` (one split: ``prefill.attention``).
+    With ``prefill.graph_buckets``, ``prefill.graph.<role>`` are the device_chunk variants of rope_append and
+    the split-KV attention and combine, which the chunk graphs replay."""
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
     rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
     split_attn, combine = attention_prefill.split_kv_specs(dims, cfg, profile)
     g = cfg.quant.group_size
+    graph = {}
+    if cfg.prefill.graph_buckets:
+        g_rope = attention_prefill.prefill_attention_specs(dims, cfg, profile, device_chunk=True)[0]
+        g_attn, g_combine = attention_prefill.split_kv_specs(dims, cfg, profile, device_chunk=True)
+        graph = {f"prefill.{GRAPH}rope_append": g_rope, f"prefill.{GRAPH}attention": g_attn,
+                 f"prefill.{GRAPH}attention_combine": g_combine}
     return {"prefill.embed": embed_prefill.specs_for_model(dims, cfg)[0], "prefill.rmsnorm": norm,
             **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, g, profile).items()},
             **{f"prefill.{SMALL}{r}": s for r, s in gemm.model_gemms(dims, g, profile, small_m=True).items()},
             "prefill.rope_append": rope, "prefill.attention": attn, f"prefill.{SMALL}attention": split_attn,
-            f"prefill.{SMALL}attention_combine": combine}
+            f"prefill.{SMALL}attention_combine": combine, **graph}
 
 
 def gemm_role(role: str, rows: int, small_m_tokens: int) -> str:
@@ -85,14 +97,23 @@ def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def buffer_bytes(dims, chunk_tokens: int, capacity: int, small_m_tokens: int, block_keys: int) -> dict[str, int]:
+def buffer_bytes(dims, chunk_tokens: int, capacity: int, small_m_tokens: int, block_keys: int,
+                 graph_buckets=()) -> dict[str, int]:
     """The Prefiller's device buffers: the chunk activations, the token ids of up to ``capacity``
-    positions and the split-KV attention partials of chunks of up to ``small_m_tokens`` rows (none at 0)
-    over the key blocks (``block_keys`` each) of ``capacity`` positions."""
+    positions, the split-KV attention partials of chunks of up to ``small_m_tokens`` rows (none at 0) over
+    the key blocks (``block_keys`` each) of ``capacity`` positions, and the chunk graphs' inputs."""
     rows = min(small_m_tokens, chunk_tokens)
     acc, ml = attention_prefill.partial_bytes(dims, rows, -(-capacity // block_keys))
+    buckets = usable_buckets(graph_buckets, small_m_tokens, chunk_tokens)
     return {**{name: _nbytes(*sd) for name, sd in buffer_shapes(dims, chunk_tokens).items()}, "tokens": 4 * capacity,
-            **({"part_acc": acc, "part_ml": ml} if rows else {})}
+            **({"part_acc": acc, "part_ml": ml} if rows else {}),
+            **({"graph_in": graph_input_bytes(buckets[-1])} if buckets else {})}
+
+
+def usable_buckets(graph_buckets, small_m_tokens: int, chunk_tokens: int) -> list[int]:
+    """The graph buckets a Prefiller replays: those of at most ``small_m_tokens`` rows (the graphs launch
+    the small-M GEMMs) and at most ``chunk_tokens`` (the activation buffers' rows)."""
+    return [b for b in graph_buckets if b <= min(small_m_tokens, chunk_tokens)]
 
 
 class Prefiller:
@@ -101,14 +122,19 @@ class Prefiller:
     the most positions a sequence has; chunks of at most ``small_m_tokens`` rows use the small-M GEMMs.
     ``bufs`` is the ``buffer_bytes`` table allocated (by default here). Never waits for the GPU."""
 
-    def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int, bufs: Buffers | None = None):
+    def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int, bufs: Buffers | None = None,
+                 graph_buckets=()):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
         self.block_keys = kernels["prefill.attention"][0].block_keys
+        buckets = usable_buckets(graph_buckets, small_m_tokens, chunk_tokens)
         self.bufs = bufs or Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens,
-                                                 self.block_keys))
+                                                 self.block_keys, buckets))
         self.host_tokens = driver.HostBuffer(4 * self.capacity)
         self._grids = {}   # (role, shape) -> Launch: one checked Launch per shape, not one per launch
+        # short chunks as captured graphs (replayed once capture() ran; ``replay`` False: kernel by kernel)
+        self.graphs = ChunkGraphs(self, buckets) if buckets else None
+        self.replay = True
 
     def _launch(self, role: str, *shape: int, **args) -> None:
         """One prefill kernel, its grid ``spec.launch(*shape)`` (a chunk's rows, then KV splits where the
@@ -121,12 +147,16 @@ class Prefiller:
 
     def _attention(self, emit, layer: int, n: int, pos: dict) -> None:
         """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine;
-        ``pos`` is {"p0", "n"}, the launch scalars."""
+        ``pos`` is {"p0", "n"} (launch scalars) or {"chunk"} (a graph: every key block's split, always)."""
         kv, b = self.shared.kv, self.bufs
         args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table, **pos)
         parts = dict(part_acc=b.part_acc, part_ml=b.part_ml)   # short chunks (small_m_tokens > 0) only
-        role = gemm_role("attention", n, self.small_m_tokens)
-        splits = self.kernels["prefill." + role][0].splits_for(pos["p0"] + n)
+        if "chunk" in pos:
+            role = GRAPH + "attention"
+            splits = self.kernels["prefill." + role][0].max_splits
+        else:
+            role = gemm_role("attention", n, self.small_m_tokens)
+            splits = self.kernels["prefill." + role][0].splits_for(pos["p0"] + n)
         if splits == 1:   # one key block: the unsplit kernel folds nothing either, the very same bits
             emit("attention", n, o16=b.o16, **args)
             return
@@ -135,10 +165,13 @@ class Prefiller:
 
     def _chunk(self, emit, n: int, tokens: int, pos: dict) -> None:
         """Every kernel of a chunk of ``n`` rows (ids at device address ``tokens``) through ``emit(role,
-        *shape, **args)``, at positions [c0, c0 + n) for ``pos`` = {"p0": c0, "n": n}. Afterwards bufs.h
-        holds the rows' final residual."""
+        *shape, **args)``: ``pos`` {"p0": c0, "n": n} launches at positions [c0, c0 + n); {"chunk": ptr}
+        builds a graph's sequence, whose rope/attention read p0 and the rows from the device (the other
+        kernels compute all n rows; rows past the chunk are scratch). Afterwards bufs.h holds the rows'
+        final residual."""
         sh, b = self.shared, self.bufs
         W, kv, h = sh.weights.ptr, sh.kv, b.h
+        g = GRAPH if "chunk" in pos else ""
 
         def mm(role, x, w, s_, y, w2=0, s2=0, bias=0):
             emit(gemm_role(role, n, self.small_m_tokens), n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
@@ -148,7 +181,7 @@ class Prefiller:
             L = f"L{i}."
             emit("rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b.xn, m=n)
             mm("qkv", b.xn, W(L + "qkv.packed"), W(L + "qkv.scales"), b.qkv, bias=W(L + "qkv.bias"))
-            emit("rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
+            emit(g + "rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
                  page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i), **pos)
             self._attention(emit, i, n, pos)
             mm("o_proj", b.o16, W(L + "o.packed"), W(L + "o.scales"), h)
@@ -156,6 +189,13 @@ class Prefiller:
             mm("gate_up", b.xn, W(L + "gate.packed"), W(L + "gate.scales"), b.a16,
                w2=W(L + "up.packed"), s2=W(L + "up.scales"))
             mm("down", b.a16, W(L + "down.packed"), W(L + "down.scales"), h)
+
+    def graph_rows(self) -> int:
+        """The most rows a chunk may have to replay a graph now (0: none; ``replay`` off, not captured,
+        or no bucket within today's small_m_tokens and chunk_tokens)."""
+        if self.graphs is None or not self.replay or not self.graphs.captured:
+            return 0
+        return max(usable_buckets(self.graphs.buckets, self.small_m_tokens, self.chunk_tokens), default=0)
 
     def __call__(self, tokens: list[int], p0: int = 0) -> int:
         """Enqueue the prefill of ``tokens`` at positions [p0, p0 + len(tokens)) of the sequence whose
@@ -168,11 +208,30 @@ class Prefiller:
         check(cu.cuMemcpyHtoDAsync(self.bufs.tokens.ptr, self.host_tokens.ptr, 4 * len(tokens),
                                    self.shared.stream.handle), "prefill tokens")
         parts = chunks(p0, p1, self.chunk_tokens)
+        graph_rows = self.graph_rows()
+        replayed = [(c0, n) for c0, n in parts if n <= graph_rows]
+        if replayed:
+            self.graphs.stage([(c0, tokens[c0 - p0:c0 - p0 + n]) for c0, n in replayed])
         for c0, n in parts:
-            self._chunk(self._launch, n, self.bufs.tokens.ptr + 4 * (c0 - p0), dict(p0=c0, n=n))
+            if n <= graph_rows:
+                self.graphs.run(c0, n)
+            else:
+                self._chunk(self._launch, n, self.bufs.tokens.ptr + 4 * (c0 - p0), dict(p0=c0, n=n))
         return self.bufs.h.ptr + 4 * self.dims.hidden * (p1 - 1 - parts[-1][0])
 
+    def warm(self) -> None:
+        """Run each chunk graph's kernels once (position 0 of the loaded page table), before ``capture``."""
+        if self.graphs is not None:
+            self.graphs.warm()
+
+    def capture(self) -> None:
+        """Capture the chunk graphs; short chunks replay them from now on."""
+        if self.graphs is not None:
+            self.graphs.capture()
+
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
         self.bufs.free()
         self.host_tokens.free()
 

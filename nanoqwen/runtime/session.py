@@ -73,7 +73,7 @@ class CudaSession:
         # the prefill buffers (docs/perf-notes.md, "Buffer placement").
         pc = cfg.prefill
         tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, pc.small_m_tokens,
-                                                       pc.attention_block_keys)}
+                                                       pc.attention_block_keys, pc.graph_buckets)}
                   if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
                                          "decode": decoder_mod.buffer_bytes(d, specs)}
         if buckets:   # last: the decode step's buffers keep their measured placement
@@ -92,8 +92,8 @@ class CudaSession:
         self.state = SequenceState(d, self.weights, self.kv, rope_tables(d, self.context), self.context,
                                    slots=ahead + 2, bufs=bufs["state"])
         self.decoder = Decoder(self.state, kernels, bufs=bufs["decode"])
-        self.prefiller = (Prefiller(self.state, kernels, chunk, pc.small_m_tokens, bufs=bufs["prefill"])
-                          if chunked else None)
+        self.prefiller = (Prefiller(self.state, kernels, chunk, pc.small_m_tokens, bufs=bufs["prefill"],
+                                    graph_buckets=pc.graph_buckets) if chunked else None)
         self.rows = RowStep(self.state, {m: {role: kernels[f"m{m}.{role}"] for role in row_specs[m]}
                                          for m in buckets}, bufs=bufs["rows"]) if buckets else None
         self.runner = Runner(self.state, self.decoder, self.prefiller,
@@ -102,12 +102,16 @@ class CudaSession:
         if self.rows is not None:   # each bucket once, eagerly, over the warm-up's page (positions 0..m-1)
             for m in buckets:
                 self.rows.run([0] * m, list(range(m)))
+        if self.prefiller is not None:   # each chunk graph's kernels once, over the warm-up's page
+            self.prefiller.warm()
         self.runner.cache.clear()
         self.runner.speculate = speculate   # after the warm-up: that one request decodes plainly
         if not eager:
             self.decoder.capture()
             if self.rows is not None:
                 self.rows.capture()
+            if self.prefiller is not None:
+                self.prefiller.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
         # weight bytes one token streams (the embedding table is read one row at a time unless tied)
         self.bytes_per_token = w_bytes - (0 if d.tie_embeddings else self.weights.plan.regions["embed"].nbytes)

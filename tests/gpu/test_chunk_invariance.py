@@ -1,6 +1,7 @@
 """Chunk invariance of the CUDA prefill (DESIGN.md section 12; docs/architecture.md, "Chunk invariance"):
 a prompt position's K/V, hidden state and logits are the same bits whether it was prefilled cold in a long
-chunk, reused from the prefix cache or prefilled in a short tail chunk.
+chunk, reused from the prefix cache or prefilled in a short tail chunk, and a short chunk replayed as a
+captured graph (runtime/chunk_graphs.py) gives the bits of the same chunk launched kernel by kernel.
 
 Class (a) throughout (docs/architecture.md, "Exact or within a tolerance"): every comparison here is of
 the same per-row arithmetic by construction, so logits and K/V are compared as bits and greedy tokens
@@ -10,9 +11,11 @@ with no tolerance.
   page-aligned, at and across the 256-key attention block and the 512-row chunk boundaries, a 32-token
   editor tail, the last token): the request that reuses the cut's prefix gives the cold request's logits
   rows and tokens, bit for bit;
-* one prompt prefilled in chunks of 1 .. 512 rows (the default and the small-M tiles, unsplit and split-KV
-  attention): the same K/V pages and last-position logits, bit for bit, on the trained small-py model and
-  on a random model with the 7B's layer shapes (28 heads, 4 KV heads, head_dim 128)."""
+* one prompt prefilled in chunks of 1 .. 512 rows (long chunks kernel by kernel, short ones as graphs, and
+  short ones kernel by kernel): the same K/V pages and last-position logits, bit for bit, on the trained
+  small-py model and on a random model with the 7B's layer shapes (28 heads, 4 KV heads, head_dim 128);
+* a tail of 1 .. 64 rows at positions around the key-block boundaries, replayed as a graph and launched
+  kernel by kernel: the same pages and logits, and the graph path really replayed."""
 
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def engine(packed):
     """A graph session of the trained small-py model whose pool holds two full-context sequences."""
     from nanoqwen.runtime.session import CudaSession
     s = CudaSession(packed("small-py"), CONTEXT, kv_tokens=2 * CONTEXT, log=lambda m: print(m, file=sys.stderr))
+    assert s.prefiller.graphs is not None and s.prefiller.graphs.captured
     yield s
     s.close()
 
@@ -76,12 +80,12 @@ def test_cached_request_equals_cold(engine, corpus):
     print(f"{checked} cached requests equal their cold runs bit for bit", file=sys.stderr)
 
 
-def prefill_in_chunks(s, prompt, chunk: int):
-    """Prefill ``prompt`` on fresh pages in chunks of ``chunk`` rows: (last-position logits, token,
-    per-layer K/V pages)."""
+def prefill_in_chunks(s, prompt, chunk: int, replay: bool):
+    """Prefill ``prompt`` on fresh pages in chunks of ``chunk`` rows (short ones replayed as graphs or not):
+    (last-position logits, token, per-layer K/V pages)."""
     P, sh, pre = len(prompt), s.state, s.prefiller
-    saved = pre.chunk_tokens
-    pre.chunk_tokens = chunk
+    saved = pre.chunk_tokens, pre.replay
+    pre.chunk_tokens, pre.replay = chunk, replay
     try:
         s.runner.reserve(P + 1)
         s.runner.prefill(prompt, 0, read_token=True, read_logits=True)
@@ -89,7 +93,7 @@ def prefill_in_chunks(s, prompt, chunk: int):
         logits, token = sh.logits(), int(sh.tok_out[P - 1])
         sh.check_errors()
     finally:
-        pre.chunk_tokens = saved
+        pre.chunk_tokens, pre.replay = saved
     return logits, token, gathered_pages(s, P)
 
 
@@ -110,6 +114,39 @@ def test_any_chunk_size_gives_the_same_bits(sessions, corpus, model):
     s = sessions(model, context=CONTEXT)
     prompt = window(corpus, np.random.default_rng(5), 700) if model == "small-py" else \
         np.random.default_rng(5).integers(0, s.dims.vocab, 700).tolist()
-    whole = prefill_in_chunks(s, prompt, CHUNK)
+    whole = prefill_in_chunks(s, prompt, CHUNK, True)
     for chunk in (300, 100, 64, 33, 32, 17, 8, 1):   # at most the session's chunk (its buffers' rows)
-        assert_same_prefill(prefill_in_chunks(s, prompt, chunk), whole, f"{model}: chunks of {chunk}")
+        for replay in (True, False):
+            assert_same_prefill(prefill_in_chunks(s, prompt, chunk, replay), whole,
+                                f"{model}: chunks of {chunk} ({'graphs' if replay else 'kernel by kernel'})")
+
+
+@pytest.mark.parametrize("model", ["small-py", "7b-shapes"])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 64])
+def test_graph_replay_equals_kernel_by_kernel(sessions, corpus, monkeypatch, model, n):
+    """A tail of n rows after a prefix prefilled once, ending before, at and past a key-block boundary."""
+    s = sessions(model, context=CONTEXT)
+    pre = s.prefiller
+    assert pre.graphs.captured and pre.graph_rows() == max(CFG.prefill.graph_buckets)
+    replays = []
+    monkeypatch.setattr(pre.graphs, "run", lambda c0, n_, b=None, run=pre.graphs.run: (replays.append(n_), run(c0, n_, b)))
+    prompt = window(corpus, np.random.default_rng(n), 3 * BLOCK) if model == "small-py" else \
+        np.random.default_rng(n).integers(0, s.dims.vocab, 3 * BLOCK).tolist()
+    for end in (BLOCK - 3, BLOCK, 2 * BLOCK + n // 2, 3 * BLOCK):
+        p0 = end - n
+        out = {}
+        for replay in (True, False):
+            pre.replay = replay
+            try:
+                s.runner.reserve(end + 1)
+                if p0:
+                    s.runner.prefill(prompt[:p0], 0)
+                replays.clear()
+                s.runner.prefill(prompt[p0:end], p0, read_token=True, read_logits=True)
+                s.state.wait_step(end - 1)
+                s.state.check_errors()
+                assert replays == ([n] if replay else []), f"graph replays {replays}"
+                out[replay] = (s.state.logits(), int(s.state.tok_out[end - 1]), gathered_pages(s, end))
+            finally:
+                pre.replay = True
+        assert_same_prefill(out[True], out[False], f"{model}: tail of {n} at {p0}")

@@ -3,8 +3,8 @@ the trained small-py model (realistic top-1 margins):
 
 * prefilling [0, p) then [p, P) of one sequence gives the full prefill's last-position logits, token and
   K/V pages, for split points mid-page and page-aligned; parts of <= prefill.small_m_tokens tokens (an
-  editor's 32-token tail, a last token) run the small-M GEMM tiles and the split-KV attention, the
-  200-token whole the default tiles and the unsplit attention;
+  editor's 32-token tail, a last token) run the small-M GEMM tiles and the split-KV attention (replayed
+  as chunk graphs), the 200-token whole the default tiles and the unsplit attention;
 * greedy tokens with reuse equal a cold prefill's, for reused prefixes L mid-page, page-aligned, a whole
   page table away, and the same prompt again (L = P - 1); ``cached_tokens`` is exactly L;
 * a reply's tokens are reused by the next turn, after closing a stream early too (only what was
