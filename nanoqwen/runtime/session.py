@@ -44,6 +44,10 @@ class DeviceError(NanoqwenError):
 
 
 class CudaSession:
+    # No multi-sequence step (runtime/batch.py) yet: the multi-row step's rows share one page table, so they
+    # are rows of one sequence (a verify). The server therefore runs one request at a time on this engine.
+    batch = None
+
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
                  cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked",
                  kv_tokens: int | None = None, verify: bool = True, speculate=None):
