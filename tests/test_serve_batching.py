@@ -212,3 +212,80 @@ def test_a_sequence_short_of_pages_waits_and_others_run(model, local, ids):
         assert (result["w"]["texts"], result["w"]["lps"], result["w"]["finish"]) == (texts, lps, finish)
     finally:
         s.close()
+
+
+# ---- in-process: faults, and an engine without the multi-sequence step ----------------------------------
+
+class FaultyStep:
+    """The reference's multi-sequence step, raising once when ``token`` is among a step's rows."""
+
+    def __init__(self, batch, token: int):
+        self.batch, self.token, self.fired = batch, token, False
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+    def step(self, work):
+        if not self.fired and any(self.token in rows for _, rows in work):
+            self.fired = True
+            raise RuntimeError("simulated fault")
+        return self.batch.step(work)
+
+
+def test_a_step_fault_fails_its_sequences_and_the_reference_serves_on(model, local, ids):
+    from _serve_util import serve_in_process
+    engine, tok, _ = local
+    plain = engine.batch
+    engine.batch = FaultyStep(plain, 1999)   # no prompt of this test holds it: the marked prompt does
+    try:
+        client = serve_in_process(lambda: (engine, tok))
+        bad = client.post("/v1/completions", json={"prompt": ids[:20] + [1999], "max_tokens": 4, "temperature": 0})
+        assert bad.status_code == 500 and "simulated fault" in bad.json()["error"]["message"]
+        assert client.get("/health").status_code == 200
+        good = client.post("/v1/completions", json={"prompt": ids[:20], "max_tokens": 4, "temperature": 0,
+                                                    "logprobs": 1}).json()
+        assert good["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:20], 4)[0]
+        assert "nanoqwen_kv_pages{state=\"running\"} 0.0" in client.get("/metrics").text
+    finally:
+        engine.batch = plain
+
+
+class CountingEngine:
+    """A stand-in engine without ``batch``: counts the token streams open at once."""
+
+    def __init__(self):
+        from _serve_util import ScriptedEngine
+        self.scripted = ScriptedEngine([300, 301, 302], delay_s=0.01)
+        self.name, self.dims, self.context = "counting stand-in", self.scripted.dims, self.scripted.context
+        self.cached_tokens, self.speculate, self.open, self.most = 0, None, 0, 0
+
+    def generate(self, prompt, max_new_tokens, sampling, logits=False):
+        self.open += 1
+        self.most = max(self.most, self.open)
+        try:
+            yield from self.scripted.generate(prompt, max_new_tokens, sampling, logits)
+        finally:
+            self.open -= 1
+
+
+def test_an_engine_without_the_step_runs_one_request_at_a_time(local):
+    from nanoqwen.serve.app import Server, create_app
+    from nanoqwen.serve.metrics import Metrics
+    from nanoqwen.serve.worker import Worker
+    from starlette.testclient import TestClient
+    logs, metrics, engine = [], Metrics(), CountingEngine()
+    worker = Worker(lambda: (engine, local[1]), metrics, max_queue=4, log=logs.append, max_running=8)
+    client = TestClient(create_app(Server(worker, metrics, "m")))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert worker.max_running == 1 and any("--max-running 8 taken as 1" in m for m in logs)
+
+    def ask(i):
+        r = client.post("/v1/completions", json={"prompt": [5 + i], "max_tokens": 20, "temperature": 0})
+        return r.json()["usage"]["completion_tokens"]
+    assert run_all(ask, 3) == [20, 20, 20]
+    assert sorted(p for p, _n, _s in engine.scripted.requests) == [[5], [6], [7]]
+    assert engine.most == 1, "two requests ran at once on an engine without the multi-sequence step"
