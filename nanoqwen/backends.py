@@ -80,7 +80,10 @@ class ReferenceEngine:
     model's own next token, and
     moves the position back past the rejected ones (their K/V rows are overwritten later). Sampled
     requests (temperature > 0) decode plainly: drafting switches off rather than rejection-sample.
-    ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``."""
+    ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``.
+
+    ``batch`` is its multi-sequence step (runtime/batch.py), which the server schedules several requests
+    over; ``generate`` is one request alone, run as a batch of one sequence."""
 
     name = "reference (numpy INT4 simulation, CPU)"
 
