@@ -63,8 +63,7 @@ class ReferenceBatch:
                         [[ref.kv(i)[j].copy() for i in range(ref.dims.layers)] for j in (0, 1)])
 
     def pages(self) -> tuple[int, int, int]:
-        pool, kept = self.cache.pool, self.cache.kept_pages
-        return pool.num_pages - pool.free - kept, kept, pool.num_pages
+        return self.cache.usage()
 
 
 class ReferenceEngine:

@@ -259,6 +259,9 @@ class CountingEngine:
         self.name, self.dims, self.context = "counting stand-in", self.scripted.dims, self.scripted.context
         self.cached_tokens, self.speculate, self.open, self.most = 0, None, 0, 0
 
+    def pages(self):
+        return (1 if self.open else 0), 2, 10
+
     def generate(self, prompt, max_new_tokens, sampling, logits=False):
         self.open += 1
         self.most = max(self.most, self.open)
@@ -289,3 +292,6 @@ def test_an_engine_without_the_step_runs_one_request_at_a_time(local):
     assert run_all(ask, 3) == [20, 20, 20]
     assert sorted(p for p, _n, _s in engine.scripted.requests) == [[5], [6], [7]]
     assert engine.most == 1, "two requests ran at once on an engine without the multi-sequence step"
+    text = client.get("/metrics").text   # the engine's pages, read after the last request
+    assert all(f'nanoqwen_kv_pages{{state="{k}"}} {v}' in text for k, v in (("running", 0.0), ("kept", 2.0),
+                                                                            ("free", 8.0)))

@@ -134,6 +134,11 @@ class PrefixCache:
         while self.kept:
             self.evict()
 
+    def usage(self) -> tuple[int, int, int]:
+        """(pages held by running requests, pages kept for reuse, pages in the pool)."""
+        kept = self.kept_pages
+        return self.pool.num_pages - self.pool.free - kept, kept, self.pool.num_pages
+
     @property
     def kept_pages(self) -> int:
         return sum(len(k.pages) for k in self.kept.values())

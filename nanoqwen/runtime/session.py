@@ -122,6 +122,10 @@ class CudaSession:
         """Prompt tokens the most recent request reused from the prefix cache."""
         return self.runner.cached_tokens
 
+    def pages(self) -> tuple[int, int, int]:
+        """KV pages: (held by the running request, kept for prefix reuse, in the pool)."""
+        return self.runner.cache.usage()
+
     @property
     def speculate(self):
         return self.runner.speculate

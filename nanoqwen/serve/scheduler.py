@@ -122,6 +122,7 @@ class Scheduler:
                 tok, logits = item if job.top_logprobs is not None else (item, None)
                 if reply.t_first is None:
                     reply.cached = engine.cached_tokens
+                    self._pages()   # the request's pages are taken
                 if reply.push(tok, logits):
                     break
         except Exception as e:  # noqa: BLE001 - any fault fails this request; the thread serves on
@@ -131,6 +132,7 @@ class Scheduler:
             if gen is not None:
                 gen.close()
             w.set_running(0)
+            self._pages()   # before Done, as _retire
         reply.done(*((None, 0) if engine.speculate is None else (engine.drafted_tokens, engine.accepted_tokens)))
 
     def _reply(self, job) -> Reply:
@@ -191,8 +193,8 @@ class Scheduler:
         d = r.decoding
         self.running.remove(r)
         self.batch.close(d.seq, d.prompt + d.gen)
+        self._gauges()   # before Done: a client that reads /metrics after its answer sees its row gone
         r.reply.done(None if self.engine.speculate is None else d.spec.drafted, d.spec.accepted)
-        self._gauges()
 
     def _drop(self, r: Running) -> None:
         """End a failed sequence keeping nothing (its K/V may be wrong)."""
@@ -201,9 +203,15 @@ class Scheduler:
         self._gauges()
 
     def _gauges(self) -> None:
-        w = self.worker
-        w.set_running(len(self.running))
-        running, kept, total = self.batch.pages()
-        w.metrics.kv_pages.labels("running").set(running)
-        w.metrics.kv_pages.labels("kept").set(kept)
-        w.metrics.kv_pages.labels("free").set(total - running - kept)
+        self.worker.set_running(len(self.running))
+        self._pages()
+
+    def _pages(self) -> None:
+        """The KV pages gauges, from the step or (one request at a time) the engine, when it tells."""
+        pages = getattr(self.batch if self.batch is not None else self.engine, "pages", None)
+        if pages is not None:
+            running, kept, total = pages()
+            kv = self.worker.metrics.kv_pages
+            kv.labels("running").set(running)
+            kv.labels("kept").set(kept)
+            kv.labels("free").set(total - running - kept)
