@@ -295,3 +295,29 @@ def test_an_engine_without_the_step_runs_one_request_at_a_time(local):
     text = client.get("/metrics").text   # the engine's pages, read after the last request
     assert all(f'nanoqwen_kv_pages{{state="{k}"}} {v}' in text for k, v in (("running", 0.0), ("kept", 2.0),
                                                                             ("free", 8.0)))
+
+
+def test_the_queue_holds_max_queue_beyond_the_running_rows():
+    """--max-running 2 --max-queue 1: two requests run and one waits; a fourth is refused (503, Retry-After),
+    before and after the engine thread has taken the two."""
+    import asyncio
+    from nanoqwen.serve.errors import APIError
+    from nanoqwen.serve.metrics import Metrics
+    from nanoqwen.serve.worker import Job, Worker
+
+    async def main():
+        w = Worker(lambda: None, Metrics(), max_queue=1, max_running=2, log=lambda m: None)
+        w.state = "ready"   # the engine thread is not started: the queue alone is under test
+        jobs = [Job([1], 1, Sampling()) for _ in range(4)]
+        for j in jobs[:3]:
+            w.submit(j)
+        for taken in (0, 2):
+            if taken:
+                assert [w.take(wait=False) for _ in range(2)] == jobs[:2]
+                w.set_running(2)
+            with pytest.raises(APIError) as e:
+                w.submit(jobs[3])
+            assert (e.value.status, e.value.code, e.value.headers) == (503, "queue_full", {"Retry-After": "1"})
+        w.set_running(1)   # one ended: a row is free again
+        w.submit(jobs[3])
+    asyncio.run(main())
