@@ -120,6 +120,11 @@ class FakeCu:
         return cls._ok()
 
     @classmethod
+    def cuMemcpyDtoDAsync(cls, dst, src, n, stream):
+        at(dst, n)[:] = at(src, n)
+        return cls._ok()
+
+    @classmethod
     def cuEventQuery(cls, handle):
         return cls._ok()
 

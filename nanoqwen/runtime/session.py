@@ -79,7 +79,7 @@ class CudaSession:
                   if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
                                          "decode": decoder_mod.buffer_bytes(d, specs)}
         if buckets:   # last: the decode step's buffers keep their measured placement
-            tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]])
+            tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]], layout.table_len)
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes, **tables)
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()

@@ -251,7 +251,7 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
     cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
     acc_b, ml_b = A.partial_bytes(specs[m][1])
     bufs = {n: driver.DeviceBuffer(b) for n, b in (("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2),
-                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 4 * m))}
+                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 8 * m))}
     b = at.buf
 
     def run(m_, rows_qkv, pos, state_or_positions):
@@ -277,7 +277,7 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
         return pools[at.table[pos // lay.page_size], :, pos % lay.page_size, :].tobytes()
 
     try:
-        bufs["positions"].upload(positions)
+        bufs["positions"].upload(np.concatenate([positions, np.zeros(m, np.int32)]))   # one table: offsets 0
         q_m, o_m = run(m, qkv, positions, lambda: None)
         kv_m = [(slot_bytes("k_pool", p), slot_bytes("v_pool", p)) for p in positions]
         # the rows again, one at a time, in order (each row's K/V is in the pool before a later row reads it)
