@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from . import NanoqwenError
+from .runtime.batch import Decoding, PagesShort, Sequence
 from .runtime.drafters import DraftModel, SpeculateError, Speculation
 from .runtime.generate import check_request
 from .runtime.prefix_cache import PrefixCache
-from .runtime.sampler import HostSampler, Sampling
+from .runtime.sampler import Sampling
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -29,6 +30,42 @@ def cuda_available() -> bool:
     return err == driver.CUresult.CUDA_SUCCESS and n > 0
 
 
+class ReferenceBatch:
+    """The multi-sequence step (runtime/batch.py) on the reference: each sequence a ``Reference`` of its own
+    K/V over the shared weights (``Reference.sequence``), sized for its positions; a step computes every
+    row as one decode step (``Reference.extend``), so nothing beside a row can change its bits. The pages
+    of ``cache`` are the accounting; a kept sequence's K/V rows travel as its payload."""
+
+    def __init__(self, cache: PrefixCache, ref):
+        self.cache, self.ref = cache, ref
+
+    def open(self, prompt: list[int], total: int) -> Sequence:
+        if not self.cache.can_start(total):
+            raise PagesShort(f"KV cache: {total} positions wait for pages held by running sequences")
+        lease = self.cache.start(prompt, total)
+        state = self.ref.sequence(total)
+        if lease.reused:
+            state.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
+        return Sequence(lease, state)
+
+    def step(self, work: list) -> list:
+        out = []
+        for seq, tokens in work:
+            seq.state.pos = seq.pos
+            out.append(seq.state.extend(tokens))
+            seq.pos = seq.state.pos
+        return out
+
+    def close(self, seq: Sequence, tokens: list[int]) -> None:
+        ref = seq.state
+        ref.pos = seq.pos
+        self.cache.keep(seq.lease, list(tokens[:seq.pos]),
+                        [[ref.kv(i)[j].copy() for i in range(ref.dims.layers)] for j in (0, 1)])
+
+    def pages(self) -> tuple[int, int, int]:
+        return self.cache.usage()
+
+
 class ReferenceEngine:
     """The numpy INT4 simulation behind the same engine contract as the CUDA engine, prefix reuse
     included: the same policy (runtime/prefix_cache.py) over a pool of ``kv_tokens`` positions in pages of
@@ -42,7 +79,10 @@ class ReferenceEngine:
     model's own next token, and
     moves the position back past the rejected ones (their K/V rows are overwritten later). Sampled
     requests (temperature > 0) decode plainly: drafting switches off rather than rejection-sample.
-    ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``."""
+    ``drafted_tokens`` / ``accepted_tokens`` count the most recent request's drafts, like ``cached_tokens``.
+
+    ``batch`` is its multi-sequence step (runtime/batch.py), which the server schedules several requests
+    over; ``generate`` is one request alone, run as a batch of one sequence."""
 
     name = "reference (numpy INT4 simulation, CPU)"
 
@@ -62,6 +102,7 @@ class ReferenceEngine:
         page = default().kv_cache.page_size
         self.cache = PrefixCache(-(-kv_tokens // page), page)
         self.ref = Reference(Fp32Weights.from_file(f), max_seq=self.context)
+        self.batch = ReferenceBatch(self.cache, self.ref)
         self.speculate, self.spec = speculate, Speculation()
         self.cached_tokens = 0
 
@@ -79,29 +120,18 @@ class ReferenceEngine:
         return self._run([int(t) for t in prompt], max_new_tokens, sampling, logits)
 
     def _run(self, prompt, max_new_tokens, sampling, logits):
-        ref, P, sample, gen = self.ref, len(prompt), HostSampler(sampling, prompt), []
-        with self.cache.request(prompt, P + max_new_tokens - 1) as lease:
-            self.cached_tokens = lease.reused
-            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and sampling.greedy else None)
-            if lease.reused:
-                ref.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
-            else:
-                ref.reset()
+        """One request alone: a batch of one sequence (so alone and batched are one computation)."""
+        with self.cache.alone():
+            seq = self.batch.open(prompt, len(prompt) + max_new_tokens - 1)
+            self.cached_tokens = seq.reused
+            d = Decoding(seq, prompt, max_new_tokens, sampling, self.speculate)
+            self.spec = d.spec
             try:
-                rows, drafts = ref.extend(prompt[lease.reused:])[-1:], []
-                while True:   # rows[i] chooses the token after drafts[:i]; without drafts, one plain step
-                    block = spec.accept(drafts, [sample(row) for row in rows])
-                    ref.pos -= len(drafts) + 1 - len(block)   # back past the rejected drafts
-                    gen += block
-                    for tok, row in zip(block, rows):
+                while not d.done:
+                    for tok, row in d.advance(self.batch.step([(seq, d.rows(len(prompt)))])[0]):
                         yield (tok, row.copy()) if logits else tok
-                    if len(gen) == max_new_tokens:
-                        break
-                    drafts = spec.draft(max_new_tokens - len(gen) - 1)
-                    rows = ref.extend([gen[-1]] + drafts)
             finally:   # positions 0..pos-1 have their K/V, however the request ended
-                lease.tokens = (prompt + gen)[:ref.pos]
-                lease.payload = [[ref.kv(i)[j].copy() for i in range(self.dims.layers)] for j in (0, 1)]
+                self.batch.close(seq, prompt + d.gen)
 
     def close(self) -> None:
         self.cache.clear()

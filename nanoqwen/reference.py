@@ -11,6 +11,7 @@ transformers in fp32, which must then agree to ~1e-6.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -310,6 +311,19 @@ class Reference:
     @classmethod
     def from_file(cls, path: str | Path, fp16: bool = True, max_seq: int | None = None) -> "Reference":
         return cls(Fp32Weights.from_file(path), fp16, max_seq)
+
+    def sequence(self, max_seq: int) -> "Reference":
+        """Another sequence over the same weights and RoPE tables: a K/V cache of its own of ``max_seq``
+        (<= this one's) positions, empty. Several of them are the server's concurrent sequences."""
+        if not 1 <= max_seq <= self.max_seq:
+            raise ReferenceModelError(f"reference: a sequence of {max_seq} positions, the tables hold {self.max_seq}")
+        seq = copy.copy(self)
+        d, dtype = self.dims, self.k_cache[0].dtype
+        seq.max_seq = max_seq
+        seq.k_cache = [np.zeros((max_seq, d.kv_heads, d.head_dim), dtype) for _ in range(d.layers)]
+        seq.v_cache = [np.zeros_like(c) for c in seq.k_cache]
+        seq.pos = 0
+        return seq
 
     def reset(self) -> None:
         self.pos = 0

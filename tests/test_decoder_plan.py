@@ -121,6 +121,11 @@ class FakeCu:
         return cls._ok()
 
     @classmethod
+    def cuMemcpyDtoDAsync(cls, dst, src, n, stream):
+        at(dst, n)[:] = at(src, n)
+        return cls._ok()
+
+    @classmethod
     def cuEventQuery(cls, handle):
         return cls._ok()
 
@@ -455,6 +460,7 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     assert s.device_bytes["state.tokens_out"] == 400 and s.device_bytes["decode.h"] == 4 * d.hidden
     assert len(list(s.generate([1, 2, 3], 4))) == 4 and s.cached_tokens == 0
     assert len(list(s.generate([1, 2, 3, 4], 2))) == 2 and s.cached_tokens == 3
+    assert s.pages() == (0, 1, 20)   # the server's KV pages gauges: none running, one sequence of 5 kept
     closed = []
 
     class Setting(Script):   # a drafter setting put in by hand, as tests/gpu/test_speculate.py does

@@ -154,3 +154,18 @@ def test_request_keeps_what_the_engine_set_one_at_a_time():
             assert lease.reused == 4 and lease.payload == "kv"
             raise RuntimeError("the device failed")          # tokens never set: nothing is kept
     assert not c.kept and c.pool.free == 4 and not c.running
+
+
+def test_several_running_sequences_usage_and_can_start():
+    """Leases started side by side (the server's batching): usage counts their pages as running, ended ones
+    as kept; can_start says whether another fits now (free pages, or kept ones to evict)."""
+    c = PrefixCache(8, 4)
+    a = c.start([1, 2, 3], 12)            # 3 pages
+    b = c.start([9, 8], 16)               # 4 pages
+    assert c.usage() == (7, 0, 8) and c.can_start(4) and not c.can_start(5)
+    c.keep(a, [1, 2, 3, 4, 5])            # 2 pages kept, 1 back to the pool
+    assert c.usage() == (4, 2, 8) and c.can_start(16) and not c.can_start(17)
+    c.start([7], 16)                      # evicts a's kept pages
+    assert c.usage() == (8, 0, 8) and not c.kept and not c.can_start(1)
+    c.keep(b, [])
+    assert c.usage() == (4, 0, 8)

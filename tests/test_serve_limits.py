@@ -1,6 +1,7 @@
-"""The server's limits, on a real process started with --max-queue 1 --api-key --max-body-bytes: a request
-beyond the queue gets 503 with Retry-After, a missing or wrong key 401 (/health and /metrics stay open),
-a body over the limit 413 (declared or chunked), and the server answers on after each."""
+"""The server's limits, on a real process started with --max-running 1 --max-queue 1 --api-key
+--max-body-bytes: a request beyond the queue gets 503 with Retry-After, a missing or wrong key 401 (/health
+and /metrics stay open), a body over the limit 413 (declared or chunked), and the server answers on after
+each."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ LONG = {"prompt": "def fibonacci(n):", "max_tokens": 4000, "temperature": 0, "st
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(SMALL_PY_DIR, "--max-queue", "1", "--api-key", KEY, "--max-body-bytes", "4096",
-                      cache_dir=tmp_path_factory.mktemp("serve-limits"))
+    s = start_server(SMALL_PY_DIR, "--max-running", "1", "--max-queue", "1", "--api-key", KEY,
+                     "--max-body-bytes", "4096", cache_dir=tmp_path_factory.mktemp("serve-limits"))
     yield s
     s.close()
 

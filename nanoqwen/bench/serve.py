@@ -12,7 +12,8 @@ network is in it; the client's wall time to the response (to the first text chun
 reported beside it. Every request goes over ONE kept-alive httpx.Client, as an editor's connection does:
 `httpx.post` builds a new client (and its TLS context) per call, ~35 ms that no server can remove. Prompts are uniform
 random token ids (seed 0), sent as ids; the random-weight model has no tokenizer, so the server gets a
-word-level one of the model's vocabulary ("t0 t1 ..."): detokenization and SSE still run per token."""
+word-level one of the model's vocabulary ("t0 t1 ..."): detokenization and SSE still run per token.
+``--concurrency`` measures several streaming clients at once instead (bench/concurrency.py)."""
 
 from __future__ import annotations
 
@@ -173,6 +174,27 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
                       "stream_vs_engine": ratio >= TARGETS["stream_vs_engine"]}}
 
 
+def run_concurrency(prompt_len: int = PROMPT_COLD, gen: int = 128, model: str = "7b", backend: str = "cuda",
+                    log=None) -> dict:
+    """bench/concurrency.py's table on one server process."""
+    from . import concurrency
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    cfg = config.default()
+    gpu = None
+    if backend == "cuda":
+        from ..runtime import driver
+        props = driver.device().props   # no device: one clear error before packing gigabytes
+        gpu = {"name": props.name, "driver_version": props.driver_version}
+    path = protocol.resolve_model(model, cfg, log)
+    nq = NanoqwenFile(path, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = word_tokenizer(nq.dims.vocab, Path(tmp) / "tokenizer")
+        res = concurrency.run(path, tok_dir, backend, prompt_len, gen, log, Path(tmp))
+    return {"kind": "nanoqwen-bench-serve-concurrency", "schema": 1,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "backend": backend, "gpu": gpu, "model": protocol.model_info(nq)} | res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--repetitions", type=int, default=10, metavar="N")
@@ -180,7 +202,22 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="7b", help="7b (synthetic, the default), a .nanoqwen file or a HF directory")
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--concurrency", action="store_true",
+                   help="the concurrency table instead (bench/concurrency.py): 1..16 streaming clients at once")
+    p.add_argument("--prompt-tokens", type=int, default=PROMPT_COLD, metavar="N", help="--concurrency's prompts")
     args = p.parse_args(argv)
+    for opt, v in (("--repetitions", args.repetitions), ("--gen-tokens", args.gen_tokens),
+                   ("--prompt-tokens", args.prompt_tokens)):
+        if v < 1:
+            p.error(f"{opt} must be at least 1, got {v}")
+    if args.concurrency:
+        from .concurrency import report
+        res = run_concurrency(args.prompt_tokens, args.gen_tokens, args.model, args.backend)
+        print(report(res))
+        if args.json:
+            protocol.write_json(res, args.json)
+            print(f"wrote {args.json}")
+        return 0
     res = run(args.repetitions, args.gen_tokens, args.model, args.backend)
     c, w, s, st = res["ttft_cold_512"], res["ttft_4096_cached_4064"], res["stream_tokens_per_s"], res["stream_ttft_512"]
     print(f"TTFT cold 512: {c['server_ms']['median']:.2f} ms server-side ({c['client_ms']['median']:.2f} ms client)\n"

@@ -1,7 +1,7 @@
 """`nanoqwen serve MODEL`: an OpenAI-compatible HTTP server (plus llama-server's /infill) for code
 completion and chat, on FastAPI + uvicorn. The port opens at once; the model loads and every kernel is
-built in the engine thread meanwhile, /health answering 503 until it is ready. Batch 1: requests run one at
-a time, in order, from a queue of --max-queue."""
+built in the engine thread meanwhile, /health answering 503 until it is ready. Up to --max-running requests
+run at once (serve/scheduler.py), the rest wait in order in a queue of --max-queue."""
 
 from __future__ import annotations
 
@@ -32,7 +32,16 @@ def add_arguments(p) -> None:
                    help="cuda, reference (numpy on the CPU) or auto (cuda when a GPU is present)")
     p.add_argument("--eager", action="store_true", help="launch kernels one by one instead of CUDA graphs")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
-                   help="requests that may wait while one runs; beyond, 503 with Retry-After (default 16)")
+                   help="requests that may wait while --max-running run; beyond, 503 with Retry-After (default 16)")
+    p.add_argument("--max-running", type=int, default=8, metavar="N",
+                   help="requests generated at once, each a row of the engine's step (default 8; an engine "
+                        "without the multi-sequence step, the cuda one today, runs 1)")
+    p.add_argument("--step-tokens", type=int, default=512, metavar="N",
+                   help="most rows one step computes: running streams' rows first, then waiting prompts in "
+                        "chunks, which bounds the streams' inter-token latency while a prompt is read (default 512)")
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="KV pool in tokens, shared by the running sequences and those kept for prefix reuse "
+                        "(default: --context; a sequence that finds no pages waits for a running one to end)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N",
                    help="largest request body accepted, else 413 (default 8 MiB)")
     p.add_argument("--max-text-chars", type=int, default=None, metavar="N",
@@ -108,6 +117,8 @@ def run(args) -> int:
     from ..serve.worker import Worker
 
     for opt, v, lo in (("--port", args.port, 0), ("--max-queue", args.max_queue, 0),
+                       ("--max-running", args.max_running, 1), ("--step-tokens", args.step_tokens, 1),
+                       ("--kv-tokens", 1 if args.kv_tokens is None else args.kv_tokens, 1),
                        ("--max-body-bytes", args.max_body_bytes, 1), ("--max-text-chars", 1 if args.max_text_chars is None else args.max_text_chars, 1)):
         if v < lo:
             raise NanoqwenError(f"{opt} must be at least {lo}, got {v}")
@@ -121,8 +132,10 @@ def run(args) -> int:
     def stop(message: str) -> None:   # a model that cannot load is the command's error, not a 503 forever
         load_error.append(message)
         server.should_exit = True
-    worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log, speculate),
-                    metrics, args.max_queue, log=_log, on_load_error=stop)
+    worker = Worker(lambda: load(args.model, args.tokenizer, args.backend, args.context, args.eager, _log, speculate,
+                                 args.kv_tokens),
+                    metrics, args.max_queue, log=_log, on_load_error=stop, max_running=args.max_running,
+                    step_tokens=args.step_tokens)
     app = create_app(Server(worker, metrics, name, api_key=key, max_body=args.max_body_bytes,
                             max_text=args.max_text_chars))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

@@ -56,15 +56,16 @@ def buffer_bytes(dims, specs: dict, m: int = 1) -> dict[str, int]:
 
 def add_layer(add, i: int, W, kv, st, b, where: dict) -> None:
     """Decoder layer ``i`` of a step over the buffers ``b`` (``buffer_bytes``; one row or m rows), each
-    kernel through ``add(role, **args)``. ``where`` says where the rows' positions come from: the device
-    state (the decode step) or a positions array (the multi-row step, runtime/rowstep.py)."""
+    kernel through ``add(role, **args)``. ``where`` says where the rows' positions and page table come
+    from: the device state and the KV cache's table (the decode step), or a positions array and the rows'
+    own tables (the multi-row step, runtime/rowstep.py)."""
     L = f"L{i}."
     add("qkv", w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), h=b.h, norm_w=W(L + "input_norm"),
         bias=W(L + "qkv.bias"), y=b.qkv)
     add("rope_append", **where, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
-        page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
+        q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
     add("attention_decode", **where, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
-        v_pool=kv.v_ptr(i), page_table=kv.page_table, part_acc=b.part_acc, part_ml=b.part_ml)
+        v_pool=kv.v_ptr(i), part_acc=b.part_acc, part_ml=b.part_ml)
     add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
     add("o_proj", w0=W(L + "o.packed"), s0=W(L + "o.scales"), x=b.o16, y=b.h)
     add("gate_up", w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
@@ -97,7 +98,7 @@ class Decoder:
 
         add("embed", state=st.state, embed=W("embed"), h=b.h, err=st.err, argmax_done=st.argmax_done)
         for i in range(d.layers):
-            add_layer(add, i, W, kv, st, b, where={"state": st.state})
+            add_layer(add, i, W, kv, st, b, where={"state": st.state, "page_table": kv.page_table})
         add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=st.logits,
             state=st.state, tokens_out=st.tokens_out, tokens_cap=sh.capacity, partials=b.partials,
             argmax_done=st.argmax_done, err=st.err)

@@ -76,7 +76,7 @@ class PrefixCache:
         """Pages for a request of ``prompt`` that will occupy ``total`` positions, continuing the best
         kept sequence; least recently used sequences are evicted while pages are short."""
         need = self.pages_for(total)
-        if need > self.pool.free + self.kept_pages:
+        if not self.can_start(total):
             raise KVCacheError(f"KV cache: {total} positions need {need} pages; the pool has {self.pool.num_pages}, "
                                f"{self.pool.free} free and {self.kept_pages} kept (the rest held by a running request)")
         key, L = self.match(prompt)
@@ -89,19 +89,32 @@ class PrefixCache:
             self.evict()
         return Lease(L, pages + self.pool.take(need - len(pages)), payload)
 
+    def can_start(self, total: int) -> bool:
+        """Whether a sequence of ``total`` positions gets its pages now (free ones, or kept ones evicted);
+        if not, the rest are held by running sequences."""
+        return self.pages_for(total) <= self.pool.free + self.kept_pages
+
+    @contextmanager
+    def alone(self):
+        """Marks the one request of a batch-1 engine running; a second one meanwhile is an error."""
+        if self.running:
+            raise NanoqwenError("the engine runs one request at a time: close the previous token stream first")
+        self.running = True
+        try:
+            yield
+        finally:
+            self.running = False
+
     @contextmanager
     def request(self, prompt: list[int], total: int):
         """One request at a time (batch 1): ``start`` its lease, and at the end, however it ends, keep
         ``lease.tokens``; a request that failed leaves them empty and keeps nothing."""
-        if self.running:
-            raise NanoqwenError("the engine runs one request at a time: close the previous token stream first")
-        lease = self.start(prompt, total)
-        self.running = True
-        try:
-            yield lease
-        finally:
-            self.running = False
-            self.keep(lease, lease.tokens, lease.payload)
+        with self.alone():
+            lease = self.start(prompt, total)
+            try:
+                yield lease
+            finally:
+                self.keep(lease, lease.tokens, lease.payload)
 
     def evict(self) -> None:
         """Drop the least recently used kept sequence."""
@@ -120,6 +133,11 @@ class PrefixCache:
     def clear(self) -> None:
         while self.kept:
             self.evict()
+
+    def usage(self) -> tuple[int, int, int]:
+        """(pages held by running requests, pages kept for reuse, pages in the pool)."""
+        kept = self.kept_pages
+        return self.pool.num_pages - self.pool.free - kept, kept, self.pool.num_pages
 
     @property
     def kept_pages(self) -> int:

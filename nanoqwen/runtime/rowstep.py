@@ -12,7 +12,13 @@ repeat the last real row (same token, same position): they write the same bits i
 so padding needs no masking in any kernel and never touches a position the request does not own.
 Row r attends to positions <= positions[r]: the K/V of the rows before it were appended by this step's
 rope_append before any attention ran, which is what causal verification needs. The device decode state
-(state[0..2]) is not advanced; the caller decides what is accepted."""
+(state[0..2]) is not advanced; the caller decides what is accepted.
+
+Rows of several sequences (continuous batching, DESIGN.md section 13): each row reads its own page-table
+row, ``row_tables + offsets[r]`` (the kernels' ``positions[m + r]``). ``run`` without tables copies the KV
+cache's loaded table into row 0 on the device (every row of the verify reads it); with tables, each
+distinct page list is uploaded into a row of its own. The engine that schedules several sequences over
+this step (a ``batch`` for runtime/batch.py) is not written yet: the CUDA engine still runs one sequence."""
 
 from __future__ import annotations
 
@@ -22,13 +28,16 @@ from . import driver
 from .decoder import add_layer, buffer_bytes as step_buffer_bytes
 from .driver import check, cu
 from .memory import Buffers
+from .paged_kv import UNMAPPED, KVCacheError
 from .state import wait
 
 
-def buffer_bytes(dims, specs: dict) -> dict[str, int]:
-    """Device buffers of the largest bucket (``specs``: its roles, as ``decoder.step_specs(m=...)``)."""
+def buffer_bytes(dims, specs: dict, table_len: int) -> dict[str, int]:
+    """Device buffers of the largest bucket (``specs``: its roles, as ``decoder.step_specs(m=...)``) over a
+    KV cache whose page table has ``table_len`` entries."""
     m = specs["attention_decode"].m
-    return step_buffer_bytes(dims, specs, m) | {"rows_in": 8 * m, "tokens_out": 4 * m, "argmax_done": 4}
+    return step_buffer_bytes(dims, specs, m) | {"rows_in": 12 * m, "tokens_out": 4 * m, "argmax_done": 4,
+                                                "row_tables": 4 * m * table_len}
 
 
 class RowStep:
@@ -39,11 +48,15 @@ class RowStep:
         self.shared, self.kernels, self.pdl = shared, kernels, pdl
         self.buckets = sorted(kernels)
         self.m = m = self.buckets[-1]
-        self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: s for r, (s, _f) in kernels[m].items()}))
+        self.table_len = shared.kv.layout.table_len
+        self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: s for r, (s, _f) in kernels[m].items()},
+                                                 self.table_len))
         self.bufs.argmax_done.memset_u32(0, shared.stream)   # the lm_head wraps it back to 0 after each launch
-        self.host_in = driver.HostBuffer(8 * m)      # tokens [m] | positions [m]
+        self.host_in = driver.HostBuffer(12 * m)     # tokens [m] | positions [n] | table offsets [n] | ...
         self.host_out = driver.HostBuffer(4 * m)     # argmax per row
+        self.host_tables = driver.HostBuffer(4 * m * self.table_len)   # the rows' sequences' page tables
         self.rows_in, self.rows_out = self.host_in.array(np.int32), self.host_out.array(np.int32)
+        self.tables = self.host_tables.array(np.int32).reshape(m, self.table_len)
         self.sequences = {b: self._sequence(b) for b in self.buckets}
         self.graphs: dict[int, driver.Graph] = {}
         self.done = driver.Event()
@@ -62,7 +75,7 @@ class RowStep:
         embed_spec = self.kernels[m]["embed"][0]
         add("embed", embed_spec.launch(m), tokens=b.rows_in, embed=W("embed"), h=b.h, err=st.err, n=m)
         for i in range(d.layers):
-            add_layer(add, i, W, kv, st, b, where={"positions": positions})
+            add_layer(add, i, W, kv, st, b, where={"positions": positions, "page_table": b.row_tables})
         add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=0, tokens_out=b.tokens_out,
             tokens_cap=m, partials=b.partials, argmax_done=b.argmax_done, err=st.err)
         return seq
@@ -89,25 +102,58 @@ class RowStep:
                     self._launch(m)
                 self.graphs[m] = g
 
-    def run(self, tokens: list[int], positions: list[int]) -> list[int]:
-        """The argmax after each row (``tokens[r]`` at ``positions[r]``, K/V appended there); waits for them."""
-        n = len(tokens)
-        m, s = self.bucket(n), self.shared.stream.handle
-        pad = m - n
-        self.rows_in[:m] = list(tokens) + [tokens[-1]] * pad
-        self.rows_in[self.m:self.m + m] = list(positions) + [positions[-1]] * pad
-        check(cu.cuMemcpyHtoDAsync(self.bufs.rows_in.ptr, self.host_in.ptr, 8 * self.m, s), "multi-row inputs")
+    def run(self, tokens: list[int], positions: list[int], tables: list | None = None) -> list[int]:
+        """The argmax after each row (``tokens[r]`` at ``positions[r]``, K/V appended there); waits for them.
+        ``tables[r]``: row r's sequence's page list (rows of one sequence pass the same list); None: every
+        row is of the sequence the KV cache's table holds (the verify)."""
+        n, s = len(tokens), self.shared.stream.handle
+        m = self.load(tokens, positions, tables)
         self._launch(m)
         check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "multi-row argmax")
         self.done.record(self.shared.stream)
         wait(self.done, f"multi-row step of {n} rows")
         return self.rows_out[:n].tolist()
 
+    def load(self, tokens: list[int], positions: list[int], tables: list | None = None) -> int:
+        """Copy a step's inputs to the device, on the stream (``run``'s arguments); returns its bucket."""
+        n = len(tokens)
+        m, s = self.bucket(n), self.shared.stream.handle
+        pad = m - n
+        # for the bucket-m kernels, positions[i] is rows_in[self.m + i]: positions [m], table offsets [m]
+        self.rows_in[:m] = list(tokens) + [tokens[-1]] * pad
+        self.rows_in[self.m:self.m + m] = list(positions) + [positions[-1]] * pad
+        offsets = self.rows_in[self.m + m:self.m + 2 * m]
+        if tables is None:
+            offsets[:] = 0
+            check(cu.cuMemcpyDtoDAsync(self.bufs.row_tables.ptr, self.shared.kv.page_table.ptr, 4 * self.table_len,
+                                       s), "multi-row page table")
+        else:
+            offsets[:] = self._tables(tables + [tables[-1]] * pad)
+            rows = int(offsets.max()) // self.table_len + 1
+            check(cu.cuMemcpyHtoDAsync(self.bufs.row_tables.ptr, self.host_tables.ptr, 4 * rows * self.table_len, s),
+                  "multi-row page tables")
+        check(cu.cuMemcpyHtoDAsync(self.bufs.rows_in.ptr, self.host_in.ptr, 12 * self.m, s), "multi-row inputs")
+        return m
+
+    def _tables(self, tables: list) -> list[int]:
+        """Each distinct page list into a row of the host tables (unmapped entries -1, which a kernel reading
+        one faults on); the offset of each row's table in entries."""
+        seen: dict[int, int] = {}
+        for pages in tables:
+            if id(pages) not in seen:
+                i = len(seen)
+                if len(pages) > self.table_len:
+                    raise KVCacheError(f"multi-row step: {len(pages)} pages exceed the table of {self.table_len}")
+                self.tables[i] = UNMAPPED
+                self.tables[i, :len(pages)] = pages
+                seen[id(pages)] = i * self.table_len
+        return [seen[id(pages)] for pages in tables]
+
     def close(self) -> None:
         self.shared.drain()
         for g in self.graphs.values():
             g.close()
         self.bufs.free()
-        for buf in (self.host_in, self.host_out):
+        for buf in (self.host_in, self.host_out, self.host_tables):
             buf.free()
         self.done.close()

@@ -44,6 +44,10 @@ class DeviceError(NanoqwenError):
 
 
 class CudaSession:
+    # No multi-sequence step (runtime/batch.py) yet: the multi-row step's rows share one page table, so they
+    # are rows of one sequence (a verify). The server therefore runs one request at a time on this engine.
+    batch = None
+
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
                  cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked",
                  kv_tokens: int | None = None, verify: bool = True, speculate=None):
@@ -77,7 +81,7 @@ class CudaSession:
                   if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
                                          "decode": decoder_mod.buffer_bytes(d, specs)}
         if buckets:   # last: the decode step's buffers keep their measured placement
-            tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]])
+            tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]], layout.table_len)
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes, **tables)
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
@@ -123,6 +127,10 @@ class CudaSession:
     def cached_tokens(self) -> int:
         """Prompt tokens the most recent request reused from the prefix cache."""
         return self.runner.cached_tokens
+
+    def pages(self) -> tuple[int, int, int]:
+        """KV pages: (held by the running request, kept for prefix reuse, in the pool)."""
+        return self.runner.cache.usage()
 
     @property
     def speculate(self):

@@ -114,8 +114,7 @@ class Server:
         """``model`` may name anything: the one served model answers (as llama-server does; editors send
         the name their user typed)."""
         if body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
-            raise APIError("n and best_of must be 1: the engine is batch 1 and generates one sequence per "
-                           "request", param="n")
+            raise APIError("n and best_of must be 1: the server generates one sequence per request", param="n")
 
     def check_text(self, engine, size: int, param: str, what: str = "characters") -> None:
         limit = self.max_text if self.max_text is not None else limits.CHARS_PER_TOKEN * engine.context
@@ -277,7 +276,8 @@ def create_app(server: Server) -> FastAPI:
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise APIError(f"one prompt per request (got {len(p)}): the engine is batch 1", param="prompt")
+                raise APIError(f"one prompt per request (got {len(p)}): send several requests at once instead",
+                               param="prompt")
             p = p[0]
         if isinstance(p, str):
             srv.check_text(engine, len(p) + len(body.suffix or ""), "prompt")

@@ -19,10 +19,10 @@ def tokenizer_for(model: str, tokenizer_dir: str | None, log):
 
 
 def load(model: str, tokenizer_dir: str | None, backend: str, context: int | None, eager: bool, log,
-         speculate=None):
+         speculate=None, kv_tokens: int | None = None):
     path, tok = tokenizer_for(model, tokenizer_dir, log)
     dims = NanoqwenFile(path).dims
     context = context or min(DEFAULT_CONTEXT, dims.max_positions)
     if not 1 <= context <= dims.max_positions:
         raise NanoqwenError(f"--context must be in [1, {dims.max_positions}] (the model's positions), got {context}")
-    return open_engine(backend, path, context, eager=eager, log=log, speculate=speculate), tok
+    return open_engine(backend, path, context, eager=eager, log=log, speculate=speculate, kv_tokens=kv_tokens), tok

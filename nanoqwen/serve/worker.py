@@ -1,7 +1,8 @@
 """The one engine thread. It loads the model (the CUDA context then belongs to it), takes requests in FIFO
-order from a queue of at most ``max_queue`` waiting ones, runs each through ``engine.generate`` and hands
-the client's text back to the event loop, token by token, through an asyncio queue. Detokenization and
-stop matching run here, between steps, so a stop ends the generation at the token that completes it.
+order from a queue of at most ``max_queue`` waiting ones, runs up to ``max_running`` of them at once
+(serve/scheduler.py) and hands the client's text back to the event loop, token by token, through an
+asyncio queue. Detokenization and stop matching run here, between steps, so a stop ends the generation at
+the token that completes it.
 
 A request error of the engine (ContextError) fails that request with 400. Any other exception is a fault:
 it fails the request with 500, and on a GPU engine it also marks the worker failed (/health 503, later
@@ -23,7 +24,6 @@ from ..runtime.generate import ContextError
 from ..runtime.sampler import Sampling
 from .errors import APIError
 from .prompts import stop_ids
-from .text import TextStream
 
 
 @dataclass
@@ -70,13 +70,6 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-def draft_counts(engine) -> tuple[int | None, int]:
-    """(drafted, accepted) of the engine's most recent request; (None, 0) when it does not speculate."""
-    if engine.speculate is None:
-        return None, 0
-    return engine.drafted_tokens, engine.accepted_tokens
-
-
 def top_logprobs(tokenizer, logits: np.ndarray, token: int, k: int) -> tuple:
     """(token text, its logprob, the k most likely (text, logprob) most likely first), from raw logits."""
     z = logits.astype(np.float64)
@@ -88,10 +81,13 @@ def top_logprobs(tokenizer, logits: np.ndarray, token: int, k: int) -> tuple:
 
 
 class Worker:
-    def __init__(self, load, metrics, max_queue: int, log=None, on_load_error=None):
+    def __init__(self, load, metrics, max_queue: int, log=None, on_load_error=None, max_running: int = 8,
+                 step_tokens: int = 512):
         """``load()`` -> (engine, tokenizer), called in the engine thread; ``on_load_error(message)`` is
-        told when it raises (the CLI then stops the server)."""
-        self.metrics, self.max_queue = metrics, max_queue
+        told when it raises (the CLI then stops the server). ``max_running`` sequences run at once (1 on an
+        engine without the multi-sequence step), ``step_tokens`` bounds one step's rows
+        (serve/scheduler.py)."""
+        self.metrics, self.max_queue, self.max_running, self.step_tokens = metrics, max_queue, max_running, step_tokens
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.on_load_error = on_load_error
         self.state, self.error = "loading", None
@@ -99,7 +95,7 @@ class Worker:
         self.stop_ids: frozenset[int] = frozenset()
         self.fatal_faults = True
         self._queue: collections.deque[Job] = collections.deque()
-        self._busy = False
+        self._running = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(load,), name="nanoqwen-engine", daemon=True)
 
@@ -118,15 +114,15 @@ class Worker:
         with self._cv:
             if err := self.unavailable():
                 raise err
-            if len(self._queue) + self._busy > self.max_queue:
-                raise APIError(f"the queue is full ({self.max_queue} requests waiting; batch 1: one request runs "
-                               f"at a time)", status=503, code="queue_full", headers={"Retry-After": "1"})
+            if len(self._queue) + self._running >= self.max_queue + self.max_running:
+                raise APIError(f"the queue is full ({len(self._queue)} requests waiting, {self._running} running)",
+                               status=503, code="queue_full", headers={"Retry-After": "1"})
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client left: drop the job if it still waits, else stop it at its next token."""
+        """The client left: drop the job if it still waits, else stop it at the next step boundary."""
         job.cancelled.set()
         with self._cv:
             if job in self._queue:
@@ -134,7 +130,54 @@ class Worker:
                 self.metrics.queue_depth.set(len(self._queue))
                 self.metrics.cancelled.inc()
 
+    # ---- the scheduler's side (engine thread) ----------------------------------------------------------
+
+    def take(self, wait: bool) -> Job | None:
+        """The next waiting job (None when none waits and ``wait`` is false). Once the engine has failed,
+        waiting jobs are answered 503 here."""
+        while True:
+            with self._cv:
+                while wait and not self._queue:
+                    self._cv.wait()
+                if not self._queue:
+                    return None
+                job = self._queue.popleft()
+                self.metrics.queue_depth.set(len(self._queue))
+            if self.state != "failed":
+                return job
+            job.emit(Failed(self.unavailable()))
+
+    def put_back(self, job: Job) -> None:
+        """A job that cannot start yet waits at the head of the queue (unless its client left meanwhile)."""
+        with self._cv:
+            if job.cancelled.is_set():
+                self.metrics.cancelled.inc()
+                return
+            self._queue.appendleft(job)
+            self.metrics.queue_depth.set(len(self._queue))
+
+    def set_running(self, n: int) -> None:
+        with self._cv:
+            self._running = n
+        self.metrics.running.set(n)
+
+    def fault(self, e: Exception, jobs: list[Job]) -> None:
+        """``jobs`` failed on ``e``: a request error (ContextError) is a 400; any other exception is a 500
+        and, on a GPU engine, ends the worker (device state may be corrupt)."""
+        if isinstance(e, ContextError):
+            error = APIError(str(e))
+        else:
+            traceback.print_exc()
+            if self.fatal_faults:
+                self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            error = APIError(f"the engine failed on this request: {type(e).__name__}: {e}", status=500,
+                             code="engine_error")
+        for job in jobs:
+            job.emit(Failed(error))
+
     def _run(self, load) -> None:
+        from ..backends import ReferenceEngine
+        from .scheduler import Scheduler
         try:
             self.engine, self.tokenizer = load()
             self.stop_ids = stop_ids(self.tokenizer)
@@ -143,82 +186,12 @@ class Worker:
             if self.on_load_error:
                 self.on_load_error(str(e))
             return
-        from ..backends import ReferenceEngine
         self.fatal_faults = not isinstance(self.engine, ReferenceEngine)  # device state may be corrupt
+        if getattr(self.engine, "batch", None) is None and self.max_running > 1:
+            self.log(f"{self.engine.name} runs one sequence at a time (no multi-sequence step yet): "
+                     f"--max-running {self.max_running} taken as 1")
+            self.max_running = 1
         self.state = "ready"
-        self.log(f"ready: {self.engine.name}, context {self.engine.context} tokens")
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                job = self._queue.popleft()
-                self._busy = True
-                self.metrics.queue_depth.set(len(self._queue))
-            try:
-                if self.state == "failed":
-                    job.emit(Failed(self.unavailable()))
-                else:
-                    self._serve(job)
-            except ContextError as e:
-                job.emit(Failed(APIError(str(e))))
-            except Exception as e:  # noqa: BLE001 - any fault fails this request; the thread serves on
-                traceback.print_exc()
-                if self.fatal_faults:
-                    self.state, self.error = "failed", f"{type(e).__name__}: {e}"
-                job.emit(Failed(APIError(f"the engine failed on this request: {type(e).__name__}: {e}",
-                                         status=500, code="engine_error")))
-            finally:
-                with self._cv:
-                    self._busy = False
-
-    def _serve(self, job: Job) -> None:
-        m, engine = self.metrics, self.engine
-        want_logits = job.top_logprobs is not None
-        stream = TextStream(self.tokenizer, job.stops)
-        n, finish, t_first, t_prev, cached, gen, cut = 0, "length", None, None, 0, None, False
-        m.running.set(1)
-        t0 = time.perf_counter()
-        try:
-            gen = engine.generate(job.prompt, max(job.max_tokens, 1), job.sampling, logits=want_logits)
-            for item in gen:
-                tok, logits = item if want_logits else (item, None)
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first, cached = now, engine.cached_tokens
-                    m.ttft.observe(now - job.received)
-                else:
-                    m.itl.observe(now - t_prev)
-                t_prev = now
-                if job.max_tokens == 0:   # prefill only: the one token an engine makes is never fed back,
-                    break                 # so the sequence it keeps for reuse is exactly the prompt
-                n += 1
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if tok in self.stop_ids:
-                    finish = "stop"
-                    break
-                text = stream.push(tok)
-                if job.cutoff is not None:
-                    text, cut = job.cutoff.push(text, now - t_first)
-                job.emit(Token(text, tok, top_logprobs(self.tokenizer, logits, tok, job.top_logprobs)
-                               if want_logits else None))
-                if stream.stopped is not None:
-                    finish = "stop"
-                    break
-                if cut:   # llama-server's stop_type "limit"
-                    break
-        finally:
-            if gen is not None:
-                gen.close()
-            m.running.set(0)
-        if finish == "cancelled":
-            m.cancelled.inc()
-        m.prompt_tokens.inc(len(job.prompt))
-        m.generation_tokens.inc(n)
-        m.cached_tokens.inc(cached)
-        drafted, accepted = draft_counts(engine)   # final: the generator is closed
-        m.draft_tokens.inc(drafted or 0)
-        m.accepted_tokens.inc(accepted)
-        job.emit(Done(finish, "" if cut else stream.flush(), n, cached, stream.stopped,
-                      (t_first or t0) - t0, (t_prev or t0) - (t_first or t0), drafted, accepted))
+        self.log(f"ready: {self.engine.name}, context {self.engine.context} tokens, "
+                 f"up to {self.max_running} sequences at once")
+        Scheduler(self, self.step_tokens).run()

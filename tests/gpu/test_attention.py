@@ -251,7 +251,7 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
     cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
     acc_b, ml_b = A.partial_bytes(specs[m][1])
     bufs = {n: driver.DeviceBuffer(b) for n, b in (("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2),
-                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 4 * m))}
+                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 8 * m))}
     b = at.buf
 
     def run(m_, rows_qkv, pos, state_or_positions):
@@ -277,7 +277,7 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
         return pools[at.table[pos // lay.page_size], :, pos % lay.page_size, :].tobytes()
 
     try:
-        bufs["positions"].upload(positions)
+        bufs["positions"].upload(np.concatenate([positions, np.zeros(m, np.int32)]))   # one table: offsets 0
         q_m, o_m = run(m, qkv, positions, lambda: None)
         kv_m = [(slot_bytes("k_pool", p), slot_bytes("v_pool", p)) for p in positions]
         # the rows again, one at a time, in order (each row's K/V is in the pool before a later row reads it)
@@ -292,4 +292,95 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m):
         for buf in (*bufs.values(), cos, sin):
             buf.free()
         for buf in at.buf.values():
+            buf.free()
+
+
+@pytest.mark.parametrize("m", [3, 16])
+@pytest.mark.parametrize("model", ["7b", "tiny"])
+def test_multi_row_rows_of_several_sequences(model, m):
+    """Rows of several sequences in one multi-row step (continuous batching, DESIGN.md section 13): row r
+    reads its own sequence's page-table row at page_table + positions[m + r] (a table of SEQS rows over one
+    shared pool, each sequence's pages shuffled among the others'). Each row gives BITWISE what the m = 1
+    kernels give for that token with its sequence's table alone: q_rot, the K/V slot it writes in its own
+    sequence's page, o16 over its own sequence's K/V. The sequences' rows are interleaved, each sequence's
+    positions ascending (so the rows re-run one at a time, in order, see what the step saw); the last row
+    pads (repeats the one before). Class (a) of docs/architecture.md, compared bit for bit."""
+    SEQS, d, rng = 3, MODELS[model], fresh_rng()
+    page = CFG.kv_cache.page_size
+    per = MAX_TOKENS // page
+    lay = KVLayout(layers=1, kv_heads=d.kv_heads, head_dim=d.head_dim, page_size=page,
+                   num_pages=SEQS * per + SPARE_PAGES, max_positions=MAX_TOKENS)
+    T = lay.table_len
+    perm = rng.permutation(lay.num_pages).astype(np.int32)
+    tables = np.stack([perm[s * per:(s + 1) * per] for s in range(SEQS)])   # [SEQS, T]: T == per
+    k_seq = rng.standard_normal((SEQS, MAX_TOKENS, d.kv_heads, d.head_dim)).astype(np.float16)
+    v_seq = rng.standard_normal((SEQS, MAX_TOKENS, d.kv_heads, d.head_dim)).astype(np.float16)
+    # rows: sequences round robin, each sequence's positions ascending; the last row pads
+    seq_of = np.array([r % SEQS for r in range(m - 1)] + [(m - 2) % SEQS], np.int32)
+    positions = np.zeros(m, np.int32)
+    for s in range(SEQS):
+        rows = np.flatnonzero(seq_of[:m - 1] == s)
+        picked = np.sort(rng.choice(np.arange(17, MAX_TOKENS - 1), len(rows), replace=False))
+        if s == 0 and len(rows) >= 2:
+            picked[:2] = (15, 16)   # the last slot of a page and the first of the next
+        positions[rows] = picked
+    positions[-1] = positions[-2]
+    qkv_row = (d.heads + 2 * d.kv_heads) * d.head_dim
+    qkv = (3.0 * rng.standard_normal((m, qkv_row))).astype(np.float32)
+    qkv[-1] = qkv[-2]
+    specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
+    fn = {b.spec: driver.load(b) for b in codegen.build_many([s for t in specs.values() for s in t])}
+    cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
+    acc_b, ml_b = A.partial_bytes(specs[m][1])
+    bufs = {n: driver.DeviceBuffer(b) for n, b in (
+        ("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2), ("part_acc", acc_b),
+        ("part_ml", ml_b), ("positions", 8 * m), ("state", 16), ("tables", tables.nbytes), ("table", T * 4),
+        ("k_pool", lay.pool_bytes), ("v_pool", lay.pool_bytes))}
+
+    def fill():
+        """Each sequence's K/V at its own shuffled pages; the spare pages are poison."""
+        k = np.full(lay.pool_shape, K_POISON, np.float16)
+        v = np.full(lay.pool_shape, V_POISON, np.float16)
+        for s in range(SEQS):
+            _scatter(k, tables[s], k_seq[s], page)
+            _scatter(v, tables[s], v_seq[s], page)
+        bufs["k_pool"].upload(k)
+        bufs["v_pool"].upload(v)
+
+    def run(m_, rows_qkv, where, page_table):
+        (rs, rf), (ds, df), (cs, cf) = ((s, fn[s]) for s in specs[m_])
+        bufs["qkv"].upload(np.ascontiguousarray(rows_qkv))
+        for name in ("q_rot", "o16"):
+            bufs[name].upload(np.full(bufs[name].nbytes // 4, np.nan, np.float32))
+        rf.launch(rs.launch(), None, pdl=False, **where, qkv=bufs["qkv"], rope_cos=cos, rope_sin=sin,
+                  page_table=page_table, q_rot=bufs["q_rot"], k_pool=bufs["k_pool"], v_pool=bufs["v_pool"])
+        df.launch(ds.launch(), None, pdl=True, **where, q_rot=bufs["q_rot"], k_pool=bufs["k_pool"],
+                  v_pool=bufs["v_pool"], page_table=page_table, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"])
+        cf.launch(cs.launch(), None, pdl=True, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"], o16=bufs["o16"])
+        driver.device().synchronize()
+        return (bufs["q_rot"].download(np.empty((m, d.q_dim), np.float32))[:m_],
+                bufs["o16"].download(np.empty((m, d.q_dim), np.float16))[:m_])
+
+    def slot_bytes(pool: str, s: int, pos: int) -> bytes:
+        pools = bufs[pool].download(np.empty(lay.pool_shape, np.float16))
+        return pools[tables[s][pos // page], :, pos % page, :].tobytes()
+
+    try:
+        fill()
+        bufs["tables"].upload(tables)
+        bufs["positions"].upload(np.concatenate([positions, seq_of * T]).astype(np.int32))
+        q_m, o_m = run(m, qkv, {"positions": bufs["positions"]}, bufs["tables"])
+        kv_m = [(slot_bytes("k_pool", s, p), slot_bytes("v_pool", s, p)) for s, p in zip(seq_of, positions)]
+        fill()
+        for r, (s, p) in enumerate(zip(seq_of, positions)):
+            bufs["table"].upload(tables[s])
+            bufs["state"].upload(np.array([7, p, 3, 0], np.int32))
+            q_1, o_1 = run(1, qkv[r:r + 1], {"state": bufs["state"]}, bufs["table"])
+            what = f"row {r} (sequence {s}, position {p})"
+            assert q_1.tobytes() == q_m[r].tobytes(), f"{what}: q_rot differs from the m = 1 kernel"
+            assert (slot_bytes("k_pool", s, p), slot_bytes("v_pool", s, p)) == kv_m[r], f"{what}: K/V slot differs"
+            assert o_1.tobytes() == o_m[r].tobytes(), f"{what}: o16 differs from the m = 1 kernels"
+            assert np.isfinite(o_1).all()
+    finally:
+        for buf in (*bufs.values(), cos, sin):
             buf.free()

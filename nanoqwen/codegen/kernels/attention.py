@@ -9,8 +9,11 @@ Partials between decode and combine, fp32, per query head h and split s (row = h
 An empty split (short sequences) writes (-inf, 0, 0). Sizes: ``partial_bytes(decode_spec)``.
 
 ``m`` rows (the multi-row step, DESIGN.md section 12): each kernel serves m independent queries at once, row
-r at its own position ``positions[r]`` (int32 [m], in place of ``state[1]``), its qkv / q_rot / partials /
-o16 rows at r, each row computed exactly as the m = 1 kernel computes it; m = 1 is the decode step itself.
+r at its own position ``positions[r]`` (int32 [2m], in place of ``state[1]``) with its own page-table row
+at ``page_table + positions[m + r]`` (rows of one sequence share one; rows of several sequences each
+their sequence's), its qkv / q_rot / partials / o16 rows at r, each row computed exactly as the m = 1
+kernel computes it; m = 1 is the decode step itself, and its source does not change with this (the
+per-row table statement, ``row_table``, is rendered for m > 1 only).
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ def _check_rows(family: str, m: int) -> None:
 
 def _row_params(m: int) -> tuple[tuple[Param, bool], ...]:
     """Where a row's position comes from: the device state's position (m = 1) or one per row."""
-    return ((inp("state", "int"), m == 1), (inp("positions", "int", note="int32 [m]: each row's position"), m > 1))
+    return ((inp("state", "int"), m == 1),
+            (inp("positions", "int", note="int32 [2m]: each row's position, then where its page-table row "
+                                          "starts in page_table (entries)"), m > 1))
 
 
 def _absent(params) -> str:
     return "\n".join(p.null_constant() for p, taken in params if not taken)
+
+
+def _row_table(m: int) -> str:
+    """The statement (m > 1) that points ``page_table`` at row r's own table; appended to the line that
+    reads the row's position, so an m = 1 source is the decode step's, unchanged."""
+    return "\n    page_table += positions[M + r];  // row r's own page-table row (rows of several sequences)" \
+        if m > 1 else ""
 
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
 # ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
@@ -110,7 +122,7 @@ class AttentionDecodeSpec(KernelSpec):
 
     def context(self) -> dict:
         return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim),
-                                    "absent_params": _absent(self._family_params())}
+                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m)}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.kv_heads, self.splits, self.m),
@@ -164,7 +176,7 @@ class RopeAppendSpec(KernelSpec):
         return tuple(p for p, taken in self._family_params() if taken)
 
     def context(self) -> dict:
-        return super().context() | {"absent_params": _absent(self._family_params())}
+        return super().context() | {"absent_params": _absent(self._family_params()), "row_table": _row_table(self.m)}
 
     def validate(self) -> None:
         super().validate()

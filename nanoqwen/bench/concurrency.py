@@ -1,0 +1,158 @@
+"""Several streaming clients at once (`python -m nanoqwen.bench.serve --concurrency --json OUT`; issue 24):
+
+  (a) for 1, 2, 4, 8, 16 clients streaming together (one kept-alive httpx.Client each, started at one
+      barrier, one request each): aggregate tokens/s (every client's tokens over the wall time from the
+      barrier to the last chunk) and the per-stream inter-token latency p50 / p99 (the gaps between
+      consecutive text chunks as each client receives them, pooled over the streams);
+  (b) TTFT of a request arriving while 7 others decode: server-side (the server's TTFT histogram, sum
+      delta over that one request, taken once the 7 have all streamed their first token) and at the client.
+
+The server runs with ``--max-running 16``; an engine without the multi-sequence step runs one at a time
+(then the figures show the queue). Prompts are uniform random token ids (seed 0), sent as ids, over the
+word-level tokenizer of bench/serve.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import threading
+import time
+
+import httpx
+import numpy as np
+
+LEVELS = (1, 2, 4, 8, 16)
+BACKGROUND = 7   # streams decoding while the TTFT of (b) is measured
+LOAD_GEN = 4     # ... each generating this many times (a)'s tokens, so that they outlast the probe
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, np.float64), q)) if xs else float("nan")
+
+
+def stream_stamps(client: httpx.Client, url: str, prompt: list[int], gen: int, started=None) -> list[float]:
+    """perf_counter() at each text chunk of one streamed greedy request; ``started`` (an Event) is set at
+    the first one."""
+    stamps = []
+    body = {"prompt": prompt, "max_tokens": gen, "temperature": 0, "stream": True}
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+                if started is not None and len(stamps) == 1:
+                    started.set()
+    if len(stamps) != gen:
+        raise RuntimeError(f"{len(stamps)} text chunks for {gen} tokens")
+    return stamps
+
+
+def together(fns: list) -> list:
+    """Each of ``fns`` in its own thread, released at one barrier; (their results, the release time)."""
+    out, errors, barrier = [None] * len(fns), [], threading.Barrier(len(fns) + 1)
+
+    def work(i):
+        try:
+            barrier.wait()
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out, t0
+
+
+def level(url: str, clients: list[httpx.Client], prompts: list[list[int]], gen: int) -> dict:
+    """(a) for len(prompts) clients."""
+    stamps, t0 = together([lambda c=c, p=p: stream_stamps(c, url, p, gen) for c, p in zip(clients, prompts)])
+    gaps = [1e3 * (b - a) for s in stamps for a, b in zip(s, s[1:])]
+    wall = max(s[-1] for s in stamps) - t0
+    return {"clients": len(prompts), "tokens": len(prompts) * gen, "wall_s": wall,
+            "aggregate_tokens_per_s": len(prompts) * gen / wall,
+            "itl_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
+            "ttft_client_ms": {"median": statistics.median(1e3 * (s[0] - t0) for s in stamps)}}
+
+
+def ttft_under_load(srv, clients: list[httpx.Client], background: list[list[int]], prompt: list[int],
+                    gen: int) -> dict:
+    """(b): ``background`` streams decode ``gen`` tokens; once all have their first token, one request of
+    ``prompt`` (one token, not streamed) arrives."""
+    from .serve import ServerTTFT
+    started = [threading.Event() for _ in background]
+    result: dict = {}
+
+    def probe():
+        for e in started:
+            if not e.wait(600):
+                raise RuntimeError("a background stream never started")
+        with ServerTTFT(srv) as server:
+            t = time.perf_counter()
+            r = clients[-1].post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                                    "temperature": 0})
+            wall = time.perf_counter() - t
+            r.raise_for_status()
+        result.update(server_ms=server.ms, client_ms=1e3 * wall, end=time.perf_counter())
+    fns = [lambda c=c, p=p, e=e: stream_stamps(c, srv.url, p, gen, e)
+           for c, p, e in zip(clients, background, started)]
+    stamps, _ = together(fns + [probe])
+    if not all(s[-1] > result["end"] for s in stamps[:-1]):
+        raise RuntimeError(f"a background stream ended before the probe's answer: raise the tokens ({gen})")
+    return {"server_ms": result["server_ms"], "client_ms": result["client_ms"]}
+
+
+def run(path, tok_dir, backend: str, prompt_len: int, gen: int, log, tmp) -> dict:
+    from ..nqfile import NanoqwenFile
+    from ..serve.launch import ServerProcess
+    from .protocol import SYNTHETIC_SEED
+    vocab = NanoqwenFile(path).dims.vocab
+    rng = np.random.default_rng(SYNTHETIC_SEED)
+
+    def rand(n):
+        return rng.integers(0, vocab, n).tolist()
+    context = prompt_len + LOAD_GEN * gen
+    top = max(LEVELS)
+    srv = ServerProcess(path, "--tokenizer", str(tok_dir), "--context", str(context), "--max-running", str(top),
+                        "--max-queue", str(top), "--kv-tokens", str((top + 1) * context), backend=backend,
+                        log_dir=tmp, timeout=900)
+    clients = [httpx.Client(timeout=600) for _ in range(top)]
+    try:
+        log("warm-up: every client once, one after another")
+        for c in clients:
+            stream_stamps(c, srv.url, rand(prompt_len), 4)
+        levels = []
+        for n in LEVELS:
+            log(f"{n} concurrent clients x (prompt {prompt_len}, {gen} tokens)")
+            levels.append(level(srv.url, clients[:n], [rand(prompt_len) for _ in range(n)], gen))
+        log(f"TTFT of a {prompt_len}-token prompt while {BACKGROUND} streams decode")
+        loaded = ttft_under_load(srv, clients[:BACKGROUND + 1], [rand(prompt_len) for _ in range(BACKGROUND)],
+                                 rand(prompt_len), LOAD_GEN * gen)
+        running = re.search(r"up to (\d+) sequences at once", srv.output())
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()
+    return {"levels": levels, f"ttft_with_{BACKGROUND}_decoding": loaded,
+            "max_running": int(running[1]) if running else None,   # what the server took (1: no batching)
+            "protocol": {"prompt_tokens": prompt_len, "gen_tokens": gen, "context": context,
+                         "server": f"--max-running {top} --max-queue {top}",
+                         "clients": "one kept-alive httpx.Client per stream, started at one barrier",
+                         "itl": "gaps between a stream's text chunks at the client, pooled over its level's streams"}}
+
+
+def report(res: dict) -> str:
+    lines = ["clients | aggregate t/s | ITL p50 ms | ITL p99 ms", "------- | ------------- | ---------- | ----------"]
+    for lv in res["levels"]:
+        lines.append(f"{lv['clients']:7d} | {lv['aggregate_tokens_per_s']:13.1f} | {lv['itl_ms']['p50']:10.2f} | "
+                     f"{lv['itl_ms']['p99']:10.2f}")
+    t = res[f"ttft_with_{BACKGROUND}_decoding"]
+    lines.append(f"TTFT while {BACKGROUND} streams decode: {t['server_ms']:.2f} ms server-side, "
+                 f"{t['client_ms']:.2f} ms at the client")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""The multi-row step's rows of several sequences (runtime/rowstep.py), on the fake driver of
+tests/test_decoder_plan.py: what ``RowStep.run`` puts in the device buffers its m > 1 kernels read. Row r
+reads positions[r] and its page-table row at ``row_tables + positions[m + r]`` (the kernels' contract,
+codegen/kernels/attention.py); rows of one sequence share a table row, each distinct sequence gets its own,
+padding repeats the last row, and without tables row 0 is the KV cache's loaded table (the verify)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from test_decoder_plan import FakeDriver, FakeFn, FakeKV, FakeWeights, at, fake_runner, nqfile  # noqa: F401
+
+from nanoqwen.runtime.paged_kv import UNMAPPED
+
+
+def session(nqfile, monkeypatch):  # noqa: F811
+    from nanoqwen.runtime import session as session_mod
+
+    class Props:
+        name, total_mem, free_mem, compute_capability = "Fake H200", 1 << 40, 1 << 40, (9, 0)
+        sm_count, max_smem_optin = 132, 227 * 1024
+
+    class Fn(FakeFn):
+        def launch(self, launch, stream=None, pdl=False, **args):
+            pass
+
+    fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
+                                     "load": staticmethod(lambda built: Fn(None))})
+    fake_runner(nqfile, monkeypatch)
+    monkeypatch.setattr(session_mod, "driver", fake)
+    monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
+    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None, verify=True: FakeWeights(f))
+    monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
+    return session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+
+
+def device_ints(buf, n: int) -> np.ndarray:
+    return at(buf.ptr, 4 * n).view(np.int32).copy()
+
+
+def test_rows_of_several_sequences_read_their_own_tables(nqfile, monkeypatch):  # noqa: F811
+    s = session(nqfile, monkeypatch)
+    rows, T = s.rows, s.rows.table_len
+    for m in rows.buckets:   # every m-row kernel that reads a page table reads the rows' tables
+        for role, _fn, _launch, args in rows.sequences[m]:
+            if "page_table" in args:
+                assert args["page_table"] == rows.bufs.row_tables, (m, role)
+    a, b, c = [3, 9], [4, 1, 7], [12]
+    tables = [a, b, b, c, a]   # a verify of b's two rows beside other sequences' rows
+    rows.run([10, 11, 12, 13, 14], [20, 33, 34, 5, 21], tables)
+    m = rows.bucket(5)
+    got = device_ints(rows.bufs.rows_in, 12 * rows.m // 4)
+    tokens, positions, offsets = got[:m], got[rows.m:rows.m + m], got[rows.m + m:rows.m + 2 * m]
+    assert tokens.tolist() == [10, 11, 12, 13, 14] + [14] * (m - 5)
+    assert positions.tolist() == [20, 33, 34, 5, 21] + [21] * (m - 5)
+    assert offsets.tolist() == [0, T, T, 2 * T, 0] + [0] * (m - 5)
+    table = device_ints(rows.bufs.row_tables, 3 * T).reshape(3, T)
+    for i, pages in enumerate((a, b, c)):
+        assert table[i, :len(pages)].tolist() == pages and (table[i, len(pages):] == UNMAPPED).all()
+
+
+def test_a_verify_reads_the_loaded_table(nqfile, monkeypatch):  # noqa: F811
+    s = session(nqfile, monkeypatch)
+    rows = s.rows
+    at(s.kv.page_table.ptr, 4 * rows.table_len).view(np.int32)[:] = np.arange(rows.table_len) + 5
+    rows.run([1, 2, 3], [7, 8, 9])
+    m = rows.bucket(3)
+    assert device_ints(rows.bufs.rows_in, 3 * rows.m)[rows.m + m:rows.m + 2 * m].tolist() == [0] * m
+    assert device_ints(rows.bufs.row_tables, rows.table_len).tolist() == list(range(5, 5 + rows.table_len))
