@@ -150,7 +150,6 @@ class Prefiller:
         ``pos`` is {"p0", "n"} (launch scalars) or {"chunk"} (a graph: every key block's split, always)."""
         kv, b = self.shared.kv, self.bufs
         args = dict(q_rot=b.q_rot, k_pool=kv.k_ptr(layer), v_pool=kv.v_ptr(layer), page_table=kv.page_table, **pos)
-        parts = dict(part_acc=b.part_acc, part_ml=b.part_ml)   # short chunks (small_m_tokens > 0) only
         if "chunk" in pos:
             role = GRAPH + "attention"
             splits = self.kernels["prefill." + role][0].max_splits
@@ -160,6 +159,7 @@ class Prefiller:
         if splits == 1:   # one key block: the unsplit kernel folds nothing either, the very same bits
             emit("attention", n, o16=b.o16, **args)
             return
+        parts = dict(part_acc=b.part_acc, part_ml=b.part_ml)   # allocated only where short chunks split
         emit(role, n, splits, **parts, **args)
         emit(role + "_combine", n, **parts, o16=b.o16, **pos)
 
