@@ -74,12 +74,12 @@ class CudaSession:
         w_bytes = plan(f).nbytes
         # The parts' buffer tables in their allocation order, which is not free: with the same kernels and
         # SASS the decode step ran 1.8% slower when its activations followed the shared state rather than
-        # the prefill buffers (docs/perf-notes.md, "Buffer placement").
+        # the prefill buffers, and 0.8% slower again when the prefill buffers grew; first, the decode
+        # step's buffers no longer move with the other parts' sizes (docs/perf-notes.md, "Buffer placement").
         pc = cfg.prefill
-        tables = ({"prefill": prefill_mod.buffer_bytes(d, chunk, self.context, pc.small_m_tokens,
-                                                       pc.attention_block_keys, pc.graph_buckets)}
-                  if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context),
-                                         "decode": decoder_mod.buffer_bytes(d, specs)}
+        tables = {"decode": decoder_mod.buffer_bytes(d, specs)} | ({"prefill": prefill_mod.buffer_bytes(
+            d, chunk, self.context, pc.small_m_tokens, pc.attention_block_keys, pc.graph_buckets)}
+            if chunked else {}) | {"state": state_mod.buffer_bytes(d, self.context)}
         if buckets:   # last: the decode step's buffers keep their measured placement
             tables["rows"] = rowstep_mod.buffer_bytes(d, row_specs[buckets[-1]], layout.table_len)
         self.device_bytes = memory.merge(weights=w_bytes, kv=layout.total_bytes, **tables)
