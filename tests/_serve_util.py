@@ -108,19 +108,21 @@ class ScriptedEngine:
                 yield tok
 
 
-def serve_in_process(load, model_id: str = "m"):
-    """The app with a worker over ``load()`` -> (engine, tokenizer), in this process; ready on return."""
+def serve_in_process(load, model_id: str = "m", **worker_kw):
+    """The app with a worker over ``load()`` -> (engine, tokenizer), in this process; ready on return
+    (``client.worker`` is the worker; ``worker_kw`` go to it)."""
     import time
     from starlette.testclient import TestClient
     from nanoqwen.serve.app import Server, create_app
     from nanoqwen.serve.metrics import Metrics
     from nanoqwen.serve.worker import Worker
     metrics = Metrics()
-    worker = Worker(load, metrics, max_queue=4, log=lambda m: None)
+    worker = Worker(load, metrics, **{"max_queue": 4, "log": lambda m: None, **worker_kw})
     client = TestClient(create_app(Server(worker, metrics, model_id)))
     worker.start()
     deadline = time.monotonic() + 60
     while client.get("/health").status_code != 200:
         assert time.monotonic() < deadline, client.get("/health").text
         time.sleep(0.02)
+    client.worker = worker
     return client

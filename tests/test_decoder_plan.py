@@ -428,10 +428,8 @@ def test_logits_pairs_and_eviction(nqfile, monkeypatch):
     assert run.cached_tokens == 0
 
 
-def test_session_wires_the_parts(nqfile, monkeypatch):
-    """CudaSession on the fake driver (eager, kernels that do nothing): the memory table it checks is
-    what the parts allocate, the KV pool holds kv_tokens, warm-up runs a request and leaves nothing
-    kept, and a GPU without the memory is refused in one line before anything is built."""
+def fake_session(nqfile, monkeypatch, **kw):
+    """A CudaSession (context 100, eager, 320 KV tokens) on the fake driver: kernels that do nothing."""
     from nanoqwen.runtime import session as session_mod
 
     class Props:
@@ -449,7 +447,15 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
     monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None, verify=True: FakeWeights(f))
     monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
-    s = session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+    return session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320, **kw)
+
+
+def test_session_wires_the_parts(nqfile, monkeypatch):
+    """CudaSession on the fake driver (eager, kernels that do nothing): the memory table it checks is
+    what the parts allocate, the KV pool holds kv_tokens, warm-up runs a request and leaves nothing
+    kept, and a GPU without the memory is refused in one line before anything is built."""
+    from nanoqwen.runtime import session as session_mod
+    s = fake_session(nqfile, monkeypatch)
     d = nqfile.dims
     assert s.context == 100 and s.kv.layout.num_pages == 20 and s.decoder.graph is None
     assert not s.runner.cache.kept and s.runner.cache.pool.free == 20
@@ -470,7 +476,7 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     s.runner.speculate = setting = Setting([], lambda t: t, 1)
     s.close()
     assert closed == [setting], "the session's close closes its drafter setting"
-    Props.free_mem = sum(s.device_bytes.values()) - 1
+    session_mod.driver.device().props.free_mem = sum(s.device_bytes.values()) - 1   # the fake Props class
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda *a, **k: pytest.fail("built before the check"))
     with pytest.raises(memory_mod.DeviceMemoryError, match="not enough GPU memory"):
         session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)

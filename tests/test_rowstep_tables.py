@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from test_decoder_plan import FakeDriver, FakeFn, FakeKV, FakeWeights, at, fake_runner, nqfile  # noqa: F401
+from test_decoder_plan import at, fake_session, nqfile  # noqa: F401
 
 from nanoqwen.runtime.paged_kv import UNMAPPED
 
 
 def session(nqfile, monkeypatch):  # noqa: F811
-    from nanoqwen.runtime import session as session_mod
-
-    class Props:
-        name, total_mem, free_mem, compute_capability = "Fake H200", 1 << 40, 1 << 40, (9, 0)
-        sm_count, max_smem_optin = 132, 227 * 1024
-
-    class Fn(FakeFn):
-        def launch(self, launch, stream=None, pdl=False, **args):
-            pass
-
-    fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
-                                     "load": staticmethod(lambda built: Fn(None))})
-    fake_runner(nqfile, monkeypatch)
-    monkeypatch.setattr(session_mod, "driver", fake)
-    monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
-    monkeypatch.setattr(session_mod, "Weights", lambda f, progress=None, verify=True: FakeWeights(f))
-    monkeypatch.setattr(session_mod, "PagedKVCache", FakeKV)
-    return session_mod.CudaSession(nqfile.path, 100, eager=True, log=lambda m: None, kv_tokens=320)
+    return fake_session(nqfile, monkeypatch)
 
 
 def device_ints(buf, n: int) -> np.ndarray:

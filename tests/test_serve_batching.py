@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import model_and_cache, open_local, server as start_server
+from _serve_util import model_and_cache, open_local, server as start_server, serve_in_process
 from _texts import code_text
 from nanoqwen.runtime.sampler import Sampling
-from nanoqwen.serve.worker import top_logprobs
+from nanoqwen.serve.jobs import top_logprobs
 
 STEP_TOKENS = 16   # small, so that prompts are read in many chunks between the running streams' steps
 
@@ -233,7 +233,6 @@ class FaultyStep:
 
 
 def test_a_step_fault_fails_its_sequences_and_the_reference_serves_on(model, local, ids):
-    from _serve_util import serve_in_process
     engine, tok, _ = local
     plain = engine.batch
     engine.batch = FaultyStep(plain, 1999)   # no prompt of this test holds it: the marked prompt does
@@ -272,18 +271,9 @@ class CountingEngine:
 
 
 def test_an_engine_without_the_step_runs_one_request_at_a_time(local):
-    from nanoqwen.serve.app import Server, create_app
-    from nanoqwen.serve.metrics import Metrics
-    from nanoqwen.serve.worker import Worker
-    from starlette.testclient import TestClient
-    logs, metrics, engine = [], Metrics(), CountingEngine()
-    worker = Worker(lambda: (engine, local[1]), metrics, max_queue=4, log=logs.append, max_running=8)
-    client = TestClient(create_app(Server(worker, metrics, "m")))
-    worker.start()
-    deadline = time.monotonic() + 60
-    while client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    logs, engine = [], CountingEngine()
+    client = serve_in_process(lambda: (engine, local[1]), log=logs.append, max_running=8)
+    worker = client.worker
     assert worker.max_running == 1 and any("--max-running 8 taken as 1" in m for m in logs)
 
     def ask(i):
@@ -303,7 +293,8 @@ def test_the_queue_holds_max_queue_beyond_the_running_rows():
     import asyncio
     from nanoqwen.serve.errors import APIError
     from nanoqwen.serve.metrics import Metrics
-    from nanoqwen.serve.worker import Job, Worker
+    from nanoqwen.serve.jobs import Job
+    from nanoqwen.serve.worker import Worker
 
     async def main():
         w = Worker(lambda: None, Metrics(), max_queue=1, max_running=2, log=lambda m: None)

@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import pytest
-from _serve_util import server as start_server
-from starlette.testclient import TestClient
+from _serve_util import serve_in_process, server as start_server
 
 from nanoqwen import testmodels
 from nanoqwen.backends import ReferenceEngine
 from nanoqwen.cli.main import main
 from nanoqwen.runtime.drafters import PromptLookup
-from nanoqwen.serve.app import Server, create_app
-from nanoqwen.serve.metrics import Metrics
-from nanoqwen.serve.worker import Worker
 
 PROMPT = "def add_all(values):\n    total = 0\n    for v in values:\n        total += v\n    return total\n\n\n" \
          "def add_all(values):\n"
@@ -29,16 +24,7 @@ BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
 
 def serve(small_py, speculate):
     path, tok = small_py
-    metrics = Metrics()
-    worker = Worker(lambda: (ReferenceEngine(path, context=256, speculate=speculate), tok), metrics, max_queue=4,
-                    log=lambda m: None)
-    client = TestClient(create_app(Server(worker, metrics, "m")))
-    worker.start()
-    deadline = time.monotonic() + 60
-    while client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    return client
+    return serve_in_process(lambda: (ReferenceEngine(path, context=256, speculate=speculate), tok))
 
 
 def counter(client, name: str) -> float:

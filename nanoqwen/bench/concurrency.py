@@ -85,7 +85,7 @@ def ttft_under_load(srv, clients: list[httpx.Client], background: list[list[int]
                     gen: int) -> dict:
     """(b): ``background`` streams decode ``gen`` tokens; once all have their first token, one request of
     ``prompt`` (one token, not streamed) arrives."""
-    from .serve import ServerTTFT
+    from .server_ttft import ServerTTFT
     started = [threading.Event() for _ in background]
     result: dict = {}
 

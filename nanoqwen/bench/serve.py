@@ -33,6 +33,7 @@ from .. import config
 from ..nqfile import NanoqwenFile
 from . import protocol
 from .kernels import git_commit
+from .server_ttft import ServerTTFT
 
 PROMPT_COLD, PROMPT_LONG, CACHED = 512, 4096, 4064
 TARGETS = {"ttft_cached_ms": 5.0, "stream_vs_engine": 0.95}
@@ -66,25 +67,6 @@ def engine_rate(backend: str, path: Path, context: int, prompts: list[list[int]]
         return rates
     finally:
         engine.close()
-
-
-TTFT = "nanoqwen_time_to_first_token_seconds"
-
-
-class ServerTTFT:
-    """The server's own TTFT of the one request made inside the ``with``: its histogram's sum delta."""
-
-    def __init__(self, srv):
-        self.srv = srv
-
-    def __enter__(self):
-        self.sum0, self.count0 = self.srv.metric(f"{TTFT}_sum"), self.srv.metric(f"{TTFT}_count")
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is None:
-            assert self.srv.metric(f"{TTFT}_count") == self.count0 + 1
-            self.ms = 1e3 * (self.srv.metric(f"{TTFT}_sum") - self.sum0)
 
 
 def server_ttft(srv, client: httpx.Client, prompt: list[int]) -> dict:

@@ -25,7 +25,7 @@ from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
 from .sse import SSE_HEADERS, frame as _sse
 from .tools import ToolUse, template_messages
-from .worker import Done, Failed, Job, Token
+from .jobs import Done, Failed, Job, Token
 
 OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
 

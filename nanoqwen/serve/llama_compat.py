@@ -23,7 +23,7 @@ from .sampling import SamplingFields
 from .schemas import ExtraFile, Message
 from .sse import SSE_HEADERS, frame
 from .tools import Tool, ToolUse, template_messages
-from .worker import Done, Job, Token
+from .jobs import Done, Job, Token
 
 FIM_TOKENS = {"prefix": prompts.FIM_PREFIX, "suffix": prompts.FIM_SUFFIX, "middle": prompts.FIM_MIDDLE,
               "pad": "<|fim_pad|>", "repo": prompts.REPO_NAME, "sep": prompts.FILE_SEP}

@@ -24,7 +24,7 @@ import time
 from ..runtime.batch import Decoding, PagesShort
 from ..runtime.generate import ContextError, check_request
 from .text import TextStream
-from .worker import Done, Token, top_logprobs
+from .jobs import Done, Token, top_logprobs
 
 
 class Reply:
