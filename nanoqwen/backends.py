@@ -85,6 +85,7 @@ class ReferenceEngine:
     over; ``generate`` is one request alone, run as a batch of one sequence."""
 
     name = "reference (numpy INT4 simulation, CPU)"
+    prompt_logits = True   # its step returns every prompt row's logits (echo's prompt logprobs, serve/echo.py)
 
     def __init__(self, path: str | Path, context: int, kv_tokens: int | None = None, verify: bool = True,
                  speculate=None):

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from ..runtime.sampler import Sampling
 from . import errors, limits, llama_compat, offload, prompts
 from .context import fit, requested
+from .echo import check_prompt_logprobs
 from .errors import APIError, parse
 from .grammar import Grammars
 from .limits import MAX_HEAD_BYTES, MAX_HEADERS
@@ -25,7 +26,7 @@ from .sampling import sampling
 from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, Sampled, TokenizeRequest
 from .sse import SSE_HEADERS, frame as _sse
 from .tools import ToolUse, template_messages
-from .jobs import Done, Failed, Job, Token
+from .jobs import Done, Failed, Job, PromptLogprobs, Token
 
 OPEN = ("/health", "/metrics")   # answer without the API key (load balancers, Prometheus)
 
@@ -163,9 +164,13 @@ class Server:
                 self.worker.cancel(job)
 
     async def collect(self, job: Job, request: Request) -> tuple[str, list, Done | None]:
+        """(text, logprobs, Done or None if the client left); echo's prompt logprobs come first in logprobs."""
         text, logprobs, done = [], [], None
         async with aclosing(self.events(job, request)) as events:
             async for ev in events:
+                if isinstance(ev, PromptLogprobs):
+                    logprobs[:0] = ev.items
+                    continue
                 text.append(ev.text)
                 if isinstance(ev, Token) and ev.logprobs:
                     logprobs.append(ev.logprobs)
@@ -173,10 +178,11 @@ class Server:
                     done = ev
         return "".join(text), logprobs, done
 
-    async def stream(self, job: Job, first: bytes, chunk, final):
-        """SSE: ``first`` (maybe empty), ``chunk(text, logprobs)`` per token with text or logprobs (an
-        object or a list of them), ``final(done)`` (a list of objects), then ``data: [DONE]``. An engine
-        error after the 200 goes in-band."""
+    async def stream(self, job: Job, first: bytes, chunk, final, prompt=None):
+        """SSE: ``first`` (maybe empty), ``prompt(items)`` (an object) for echo's prompt logprobs,
+        ``chunk(text, logprobs)`` per token with text or logprobs (an object or a list of them),
+        ``final(done)`` (a list of objects), then ``data: [DONE]``. An engine error after the 200 goes
+        in-band."""
         if first:
             yield first
         try:
@@ -187,6 +193,8 @@ class Server:
                             out = chunk(ev.text, ev.logprobs)   # an object, or a list of them (maybe none)
                             for obj in out if isinstance(out, list) else [out]:
                                 yield _sse(obj)
+                    elif isinstance(ev, PromptLogprobs):
+                        yield _sse(prompt(ev.items))
                     else:
                         for obj in final(ev):
                             yield _sse(obj)
@@ -209,10 +217,14 @@ def _completion_logprobs(items: list, offset: int) -> dict:
     for text, lp, top in items:
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(dict(top))
+        out["top_logprobs"].append(None if top is None else dict(top))   # None: echo's first prompt token
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def _chat_logprobs(items: list) -> dict:
@@ -287,12 +299,13 @@ def create_app(server: Server) -> FastAPI:
             ids = await offload.run(prompts.fim, tok, p, body.suffix)
         else:
             ids = await offload.run(tok.encode, p) if isinstance(p, str) else list(p)
-        if body.echo and body.logprobs is not None:
-            raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                           param="echo")
+        scored = body.echo and body.logprobs is not None   # the prompt's logprobs too
+        if scored:
+            check_prompt_logprobs(engine, body.suffix)
         n = fit(engine, ids, *requested(body, "max_tokens", "n_predict"))
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
-        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs))
+        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs,
+                                      prompt_logprobs=body.logprobs if scored else None))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def obj(text, finish=None, logprobs=None):
@@ -303,8 +316,10 @@ def create_app(server: Server) -> FastAPI:
             text, lps, done = await srv.collect(job, request)
             if done is None:
                 return Response(status_code=499)
+            head = len(ids) if scored else 0   # the prompt's items (their offsets count from the echo's start)
             out = obj(echo + text, done.finish_reason,
-                      _completion_logprobs(lps, len(echo)) if body.logprobs is not None else None)
+                      _joined(_completion_logprobs(lps[:head], 0), _completion_logprobs(lps[head:], len(echo)))
+                      if body.logprobs is not None else None)
             return out | {"usage": _usage(len(ids), done)}
 
         offset = [len(echo)]
@@ -321,7 +336,8 @@ def create_app(server: Server) -> FastAPI:
             if body.include_usage:
                 out.append({**obj(""), "choices": [], "usage": _usage(len(ids), done)})
             return out
-        return StreamingResponse(srv.stream(job, _sse(obj(echo)) if echo else b"", chunk, final),
+        return StreamingResponse(srv.stream(job, _sse(obj(echo)) if echo and not scored else b"", chunk, final,
+                                            lambda items: obj(echo, logprobs=_completion_logprobs(items, 0))),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/chat/completions")

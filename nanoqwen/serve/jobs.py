@@ -22,6 +22,11 @@ class Token:
 
 
 @dataclass
+class PromptLogprobs:
+    items: list                # per prompt token, as Token.logprobs; the first token's logprob and top are None
+
+
+@dataclass
 class Done:
     finish_reason: str         # "stop", "length" or "cancelled"
     text: str                  # the tail still held back when generation ended
@@ -48,6 +53,7 @@ class Job:
     top_logprobs: int | None = None   # None: no logits needed
     cutoff: object | None = None      # serve/cutoffs.py: push(text, seconds since the first token) -> (text, stop)
     received: float = field(default_factory=time.perf_counter)   # TTFT is measured from here
+    prompt_logprobs: int | None = None   # echo: the prompt tokens' logprobs too, with the top k each
 
     def __post_init__(self):
         self.loop = asyncio.get_running_loop()

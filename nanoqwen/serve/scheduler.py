@@ -24,7 +24,7 @@ import time
 from ..runtime.batch import Decoding, PagesShort
 from ..runtime.generate import ContextError, check_request
 from .text import TextStream
-from .jobs import Done, Token, top_logprobs
+from .jobs import Done, PromptLogprobs, Token, top_logprobs
 
 
 class Reply:
@@ -38,6 +38,18 @@ class Reply:
         self.n, self.finish, self.cut, self.cached = 0, "length", False, 0
         self.t0 = time.perf_counter()
         self.t_first = self.t_prev = None
+        # echo's prompt logprobs, filled by ``score``: the first token has none
+        self.scored = [(tokenizer.decode(job.prompt[:1]), None, None)] if job.prompt_logprobs is not None else None
+
+    def score(self, start: int, logits) -> None:
+        """Echo's prompt logprobs: ``logits`` are the rows of positions start, start + 1, ...; row i scores
+        the prompt token after it. Once every prompt token is scored they go to the client (before any
+        generated token: the last prompt row's token is the first generated one)."""
+        prompt = self.job.prompt
+        for i, row in enumerate(logits[:len(prompt) - 1 - start]):
+            self.scored.append(top_logprobs(self.tokenizer, row, prompt[start + 1 + i], self.job.prompt_logprobs))
+        if len(self.scored) == len(prompt):
+            self.job.emit(PromptLogprobs(self.scored))
 
     def push(self, tok: int, logits) -> bool:
         job, m, now = self.job, self.metrics, time.perf_counter()
@@ -161,6 +173,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a request error (400) or a fault (500) of this request
                 w.fault(e, [job])
                 continue
+            if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a reused
+                seq.lease.reused = seq.pos = 0     # prefix (its K/V rows come out bitwise the same)
             reply = self._reply(job)
             reply.cached = seq.reused
             self.running.append(Running(reply, Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling,
@@ -178,8 +192,11 @@ class Scheduler:
         m = self.worker.metrics
         m.step_sequences.observe(len(work))
         m.step_rows.observe(sum(len(rows) for _, rows in work))
+        starts = [r.decoding.seq.pos for r, _ in work]
         logits = self.batch.step([(r.decoding.seq, rows) for r, rows in work])
-        for (r, _), rows in zip(work, logits):
+        for (r, _), start, rows in zip(work, starts, logits):
+            if r.reply.job.prompt_logprobs is not None and start < len(r.decoding.prompt):
+                r.reply.score(start, rows)
             try:
                 ended = any(r.reply.push(tok, row) for tok, row in r.decoding.advance(rows))
             except ContextError as e:   # a request error (its grammar failed): this sequence only
