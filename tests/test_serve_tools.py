@@ -1,8 +1,9 @@
 """Tool calling on scripted model output (a stand-in engine that answers with given text, the small
 test model's tokenizer and chat template, whose tools section is Qwen2.5's): the tools and the history's
 calls and results reach the prompt through the template; <tool_call> blocks come back as OpenAI tool_calls,
-whole and streamed (through the official `openai` client), one or several; an unparsable block or an
-unknown function comes back as text; bad tool_choice values are 400."""
+whole and streamed (through the official `openai` client), one or several, a streamed call's arguments
+token by token; an unparsable block or an unknown function comes back as text (streamed: unless it breaks
+after its arguments began); bad tool_choice values are 400."""
 
 from __future__ import annotations
 
@@ -94,16 +95,60 @@ def test_parallel_calls_and_parallel_false(sdk, engine, tok):
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
 
 
-@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
-                                  CALL.replace("get_weather", "launch_rocket"),
-                                  CALL[:-len("</tool_call>")]])
+BROKEN = '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'   # no JSON after its head
+UNCLOSED = CALL[:-len("</tool_call>")]
+
+
+@pytest.mark.parametrize("text", [BROKEN, CALL.replace("get_weather", "launch_rocket"), UNCLOSED,
+                                  '<tool_call>\nget_weather(city="Paris")\n</tool_call>'])
 def test_an_unparsable_call_comes_back_as_text(sdk, engine, tok, text):
     answer(engine, tok, text)
     c = sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER]).choices[0]
     assert c.message.content == text and not c.message.tool_calls and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("text", [CALL.replace("get_weather", "launch_rocket"),
+                                  '<tool_call>\nget_weather(city="Paris")\n</tool_call>',
+                                  '<tool_call>\n{"name": "get_weather", "arguments": oops}\n</tool_call>'])
+def test_a_block_unparsable_from_its_head_streams_as_text(sdk, engine, tok, text):
+    answer(engine, tok, text)
     chunks = list(sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("text, sent, rest", [(BROKEN, '{"city": ', "</tool_call>"),
+                                              (UNCLOSED, '{"city": "Paris"}', "}\n")])
+def test_a_streamed_call_whose_block_breaks_keeps_the_arguments_sent(sdk, engine, tok, text, sent, rest):
+    """Sent deltas cannot be taken back: the call stays with its arguments so far, the rest is content."""
+    answer(engine, tok, text)
+    with sdk.chat.completions.stream(model="m", messages=ASK, tools=[WEATHER]) as stream:
+        final = stream.get_final_completion().choices[0]
+    [call] = final.message.tool_calls
+    assert (call.function.name, call.function.arguments, final.message.content) == ("get_weather", sent, rest)
+
+
+def test_streamed_arguments_arrive_token_by_token(sdk, engine, tok):
+    args = '{"city": "Paris", "days": [1, 2, 3], "units": {"temp": "C", "wind": "km/h"}}'
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    answer(engine, tok, text)
+    whole = sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER]).choices[0].message.tool_calls[0]
+    assert whole.function.arguments == args   # the model's own JSON text, as streamed
+    raw = [tc for ch in sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True)
+           for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    first = raw[0]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (0, "function", "get_weather", "")
+    assert first.id.startswith("call_") and all(tc.id is None and tc.index == 0 for tc in raw[1:])
+    fragments = [tc.function.arguments for tc in raw[1:]]
+    # one per token: the tokens that hold the arguments, but the first and last may straddle the head and tail
+    assert len(fragments) >= len(tok.encode(args)) - 2, fragments
+    assert "".join(fragments) == args
+    with sdk.chat.completions.stream(model="m", messages=ASK, tools=[WEATHER]) as stream:
+        deltas = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and "".join(deltas) == final.message.tool_calls[0].function.arguments
+    assert json.loads(final.message.tool_calls[0].function.arguments) == json.loads(args)
 
 
 def test_streamed_calls_are_delta_tool_calls(sdk, engine, tok):
@@ -139,7 +184,8 @@ def test_whole_and_streamed_answers_agree_on_a_mixed_answer(sdk, engine, tok):
     assert [c.function.name for c in m.tool_calls] == ["get_weather"] and m.content == bad
     chunks = list(sdk.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip() == bad
-    assert sum(len(ch.choices[0].delta.tool_calls or []) for ch in chunks) == 2   # the call's two deltas
+    streamed = "".join(tc.function.arguments or "" for ch in chunks for tc in ch.choices[0].delta.tool_calls or [])
+    assert streamed == m.tool_calls[0].function.arguments   # the one call's head and its fragments
 
 
 def test_developer_is_system_and_an_unknown_role_is_400(client, engine, tok):

@@ -12,7 +12,9 @@ prompt; "required" and a named function are enforced while decoding by the gramm
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -79,17 +81,21 @@ class ToolUse:
         text outside them (blocks that do not parse included; None if there are calls and it is blank)."""
         if not self.active:
             return text, []
-        stream = self.stream()
+        stream = self.stream(incremental=False)
         deltas = stream.push(text) + stream.flush()
         content = "".join(d.get("content", "") for d in deltas)
         return (content.strip() or None, stream.calls) if stream.calls else (content, [])
 
     def _call(self, block: str) -> dict | None:
+        """The call of a whole ``<tool_call>...</tool_call>`` block, or None. Its arguments are the model's
+        own JSON text when the block starts as the stream commits to a call (``HEAD``), so a whole answer's
+        arguments are the streamed ones; otherwise (another key order, arguments nested as a string)
+        re-serialized."""
         try:
-            obj = json.loads(block)
+            obj = json.loads(block[len(OPEN):-len(CLOSE)])
         except ValueError:
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in {t.function.name for t in self.tools}:
+        if not isinstance(obj, dict) or not self.offers(obj.get("name")):
             return None
         args = obj.get("arguments", {})
         if isinstance(args, str):   # some answers nest the arguments as a JSON string already
@@ -99,26 +105,64 @@ class ToolUse:
                 return None
         if not isinstance(args, dict):
             return None
+        text = json.dumps(args, ensure_ascii=False)
+        if m := HEAD.match(block):
+            _, end = json.JSONDecoder().raw_decode(block, m.end() - 1)
+            if json.loads(block[m.end() - 1:end]) == args:   # not a second "arguments" key
+                text = block[m.end() - 1:end]
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+                "function": {"name": obj["name"], "arguments": text}}
 
-    def stream(self) -> "ToolStream":
-        return ToolStream(self)
+    def offers(self, name: str) -> bool:
+        return any(t.function.name == name for t in self.tools)
+
+    def stream(self, incremental: bool = True) -> "ToolStream":
+        return ToolStream(self, incremental)
+
+
+# How a block starts when the stream streams its arguments: the name of an offered function, then the
+# arguments object's opening brace (the model's format, Qwen2.5's template asks for exactly this order).
+HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\{')
+TAIL = re.compile(r"\s*\}\s*</tool_call>")
+JSON_OUTSIDE_STRINGS = frozenset("{}[],:0123456789-+.eEtrufalsn \t\n\r")   # what else is no JSON
+
+
+@dataclass
+class _Streaming:
+    """A call whose arguments are streaming, and where the scan of its JSON text stands."""
+    call: dict
+    index: int
+    block: str              # the block's text so far
+    depth: int = 0          # of brackets and braces
+    in_str: bool = False
+    esc: bool = False
 
 
 class ToolStream:
     """Streamed text in, OpenAI chat deltas out. Text outside blocks passes as content (holding back a
-    tail that may begin ``<tool_call>``); a block is held until its ``</tool_call>``, then comes out as
-    two deltas of ``tool_calls``: the call's index, id and name, then its arguments. An unparsable block
-    comes out as content. ``calls`` holds the calls sent; ``flush()`` at the end."""
+    tail that may begin ``<tool_call>``). A block whose head names an offered function and opens its
+    arguments object (``HEAD``) is a call from there on: a delta with its index, id, type, name and
+    arguments "", then its arguments' text as it arrives (the fragments join to the final arguments).
+    Any other block is held until its ``</tool_call>`` and comes out whole (two deltas) or, unparsable, as
+    content. A streamed call cannot be taken back: if its block breaks after the head (no JSON, the answer
+    ending inside it), it keeps the arguments sent and the rest of the block comes out as content (a whole
+    answer, ``incremental=False``, knows the end and gives such a block as text). ``calls`` holds the calls
+    sent; ``flush()`` at the end."""
 
-    def __init__(self, tools: ToolUse):
-        self.tools, self.buf, self.calls = tools, "", []
+    def __init__(self, tools: ToolUse, incremental: bool = True):
+        self.tools, self.incremental = tools, incremental
+        self.buf, self.calls = "", []
+        self.call: _Streaming | None = None   # the call whose arguments are streaming
+        self.tail = False  # its arguments are whole: "}" and </tool_call> expected
 
     def push(self, text: str) -> list[dict]:
         self.buf += text
         out: list[dict] = []
         while self.buf:
+            if self.call is not None:
+                if not (self._tail(out) if self.tail else self._arguments(out)):
+                    break
+                continue
             start = self.buf.find(OPEN)
             if start < 0:
                 keep = next((k for k in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
@@ -127,21 +171,97 @@ class ToolStream:
                 self.buf = self.buf[len(self.buf) - keep:]
                 break
             self._content(out, self.buf[:start])
-            end = self.buf.find(CLOSE, start)
+            self.buf = self.buf[start:]
+            if self.incremental and self._commit(out):
+                continue
+            end = self.buf.find(CLOSE)
             if end < 0:
-                self.buf = self.buf[start:]
                 break
-            block, self.buf = self.buf[start:end + len(CLOSE)], self.buf[end + len(CLOSE):]
-            call = self.tools._call(block[len(OPEN):-len(CLOSE)])
+            block, self.buf = self.buf[:end + len(CLOSE)], self.buf[end + len(CLOSE):]
+            call = self.tools._call(block)
             if call is None:
                 self._content(out, block)
             elif self.tools.parallel or not self.calls:   # without parallel calls, the first one only
                 fn, i = call["function"], len(self.calls)
-                out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                            "function": {"name": fn["name"], "arguments": ""}}]})
-                out.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
+                out.append(self._head(i, call))
+                out.append(self._args(i, fn["arguments"]))
                 self.calls.append(call)
         return out
+
+    @staticmethod
+    def _head(i: int, call: dict) -> dict:
+        return {"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                "function": {"name": call["function"]["name"], "arguments": ""}}]}
+
+    @staticmethod
+    def _args(i: int, text: str) -> dict:
+        return {"tool_calls": [{"index": i, "function": {"arguments": text}}]}
+
+    def _commit(self, out: list) -> bool:
+        """Start streaming the block at the head of ``buf`` if its head is a call's."""
+        m = HEAD.match(self.buf)
+        if m is None or not (self.tools.parallel or not self.calls):
+            return False
+        try:
+            name = json.loads(f'"{m[1]}"')
+        except ValueError:
+            return False
+        if not self.tools.offers(name):
+            return False
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": ""}}
+        out.append(self._head(len(self.calls), call))
+        self.calls.append(call)
+        self.call, self.tail = _Streaming(call, len(self.calls) - 1, self.buf[:m.end() - 1]), False
+        self.buf = self.buf[m.end() - 1:]
+        return True
+
+    def _arguments(self, out: list) -> bool:
+        """Send the arguments' text in ``buf`` up to the object's end; False when ``buf`` is used up."""
+        st = self.call
+        depth, in_str, esc = st.depth, st.in_str, st.esc
+        n, broken = 0, False
+        for n, c in enumerate(self.buf, 1):
+            if in_str:
+                esc, in_str = (False, True) if esc else (c == "\\", c != '"')
+            elif c == '"':
+                in_str = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    break
+            elif c not in JSON_OUTSIDE_STRINGS:
+                n, broken = n - 1, True
+                break
+        sent, self.buf = self.buf[:n], self.buf[n:]
+        if sent:
+            st.call["function"]["arguments"] += sent
+            out.append(self._args(st.index, sent))
+        st.block += sent
+        st.depth, st.in_str, st.esc = depth, in_str, esc
+        if broken:
+            self.call = None   # the rest of the block is content
+        elif depth == 0:
+            self.tail = True
+        return bool(self.buf)
+
+    def _tail(self, out: list) -> bool:
+        """After the arguments: the block's close, then the whole block must parse as this call."""
+        m = TAIL.match(self.buf)
+        if m is None:
+            rest = self.buf.lstrip()
+            if rest and not (rest[0] == "}" and CLOSE.startswith(rest[1:].lstrip())):
+                self.call = None   # not the block's end: the rest is content
+                return True
+            return False   # wait for more
+        call, block = self.call.call, self.call.block + m[0]
+        whole = self.tools._call(block)
+        self.call, self.buf = None, self.buf[m.end():]
+        if whole is None or whole["function"]["arguments"] != call["function"]["arguments"]:
+            self._content(out, m[0])   # its arguments are no JSON after all: the block's end is content
+        return True
 
     def _content(self, out: list, text: str) -> None:
         # between and after calls, whitespace is the format's, not content
@@ -151,6 +271,7 @@ class ToolStream:
     def flush(self) -> list[dict]:
         """The held tail (an unfinished block comes out as text)."""
         out: list[dict] = []
+        self.call = None
         self._content(out, self.buf)
         self.buf = ""
         return out
