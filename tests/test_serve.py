@@ -247,7 +247,8 @@ def test_health_and_metrics(server):
 @pytest.mark.parametrize("path, body, status, needle", [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", {"prompt": "x " * 5000}, 400, "maximum context length is 4096 tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, 400, "one sequence per request"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 17}, 400, "n must be between 1 and 16"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, 400, "one prompt per request"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),

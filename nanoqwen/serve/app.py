@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..runtime.sampler import Sampling
-from . import errors, limits, llama_compat, offload, prompts
+from . import choices, errors, limits, llama_compat, offload, prompts
 from .context import fit, requested
 from .echo import check_prompt_logprobs
 from .errors import APIError, parse
@@ -83,18 +83,6 @@ def _too_large(limit: int) -> APIError:
     return APIError(f"the request body exceeds the limit of {limit} bytes", status=413, code="body_too_large")
 
 
-def _usage(prompt_tokens: int, done: Done) -> dict:
-    """OpenAI's usage object; a speculating server adds the draft tokens in the fields OpenAI uses for
-    its predicted outputs (accepted / rejected prediction tokens)."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
-             "total_tokens": prompt_tokens + done.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-    if done.drafted_tokens is not None:
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": done.accepted_tokens,
-                                              "rejected_prediction_tokens": done.drafted_tokens - done.accepted_tokens}
-    return usage
-
-
 class Server:
     def __init__(self, worker, metrics, model_id: str, api_key: str | None = None, max_body: int = 8 << 20,
                  max_text: int | None = None):
@@ -114,8 +102,9 @@ class Server:
     def check_openai(self, body: Sampled) -> None:
         """``model`` may name anything: the one served model answers (as llama-server does; editors send
         the name their user typed)."""
-        if body.n != 1 or getattr(body, "best_of", None) not in (None, 1):
-            raise APIError("n and best_of must be 1: the server generates one sequence per request", param="n")
+        choices.check_n(body.n, self.worker)
+        if getattr(body, "best_of", None) not in (None, 1):
+            raise APIError("best_of must be 1: the server does not rank samples (n gives several)", param="best_of")
 
     def check_text(self, engine, size: int, param: str, what: str = "characters") -> None:
         limit = self.max_text if self.max_text is not None else limits.CHARS_PER_TOKEN * engine.context
@@ -144,7 +133,7 @@ class Server:
         task; ``request`` is watched when the response is not streamed) cancels the generation, which the
         engine thread sees at its next token."""
         finished = False
-        watch = asyncio.create_task(_disconnect(request, job)) if request is not None else None
+        watch = asyncio.create_task(choices.disconnect(request, job)) if request is not None else None
         try:
             while True:
                 ev = await job.events.get()
@@ -163,7 +152,7 @@ class Server:
             if not finished:
                 self.worker.cancel(job)
 
-    async def collect(self, job: Job, request: Request) -> tuple[str, list, Done | None]:
+    async def collect(self, job: Job, request: Request | None = None) -> tuple[str, list, Done | None]:
         """(text, logprobs, Done or None if the client left); echo's prompt logprobs come first in logprobs."""
         text, logprobs, done = [], [], None
         async with aclosing(self.events(job, request)) as events:
@@ -177,39 +166,6 @@ class Server:
                 if isinstance(ev, Done):
                     done = ev
         return "".join(text), logprobs, done
-
-    async def stream(self, job: Job, first: bytes, chunk, final, prompt=None):
-        """SSE: ``first`` (maybe empty), ``prompt(items)`` (an object) for echo's prompt logprobs,
-        ``chunk(text, logprobs)`` per token with text or logprobs (an object or a list of them),
-        ``final(done)`` (a list of objects), then ``data: [DONE]``. An engine error after the 200 goes
-        in-band."""
-        if first:
-            yield first
-        try:
-            async with aclosing(self.events(job)) as events:   # closed at once when the client leaves
-                async for ev in events:
-                    if isinstance(ev, Token):
-                        if ev.text or ev.logprobs:
-                            out = chunk(ev.text, ev.logprobs)   # an object, or a list of them (maybe none)
-                            for obj in out if isinstance(out, list) else [out]:
-                                yield _sse(obj)
-                    elif isinstance(ev, PromptLogprobs):
-                        yield _sse(prompt(ev.items))
-                    else:
-                        for obj in final(ev):
-                            yield _sse(obj)
-        except APIError as e:
-            yield _sse(e.body())
-        yield b"data: [DONE]\n\n"
-
-
-async def _disconnect(request: Request, job: Job) -> None:
-    """Wakes ``events`` with None when the client of a non-streamed request leaves: once the body is read,
-    the server's receive() returns only at the disconnect (polling is_disconnected between events would
-    never run while tokens keep coming)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.events.put_nowait(None)
 
 
 def _completion_logprobs(items: list, offset: int) -> dict:
@@ -304,40 +260,51 @@ def create_app(server: Server) -> FastAPI:
             check_prompt_logprobs(engine, body.suffix)
         n = fit(engine, ids, *requested(body, "max_tokens", "n_predict"))
         echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
-        job = srv.submit(request, Job(ids, n, srv.sampling(body), body.stops, body.logprobs,
-                                      prompt_logprobs=body.logprobs if scored else None))
+        sampled = srv.sampling(body)
+        jobs = choices.submit(srv, request, body.n, lambda i: Job(
+            ids, n, choices.seeded(sampled, i), body.stops, body.logprobs,
+            prompt_logprobs=body.logprobs if scored else None))
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def obj(text, finish=None, logprobs=None):
+        def obj(*choice_list):
             return {"id": cid, "object": "text_completion", "created": created, "model": srv.model_id,
-                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                    "choices": list(choice_list)}
+
+        def one(text, finish=None, logprobs=None, index=0):
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        def logprobs(lps):
+            head = len(ids) if scored else 0   # the prompt's items (their offsets count from the echo's start)
+            return _joined(_completion_logprobs(lps[:head], 0), _completion_logprobs(lps[head:], len(echo)))
 
         if not body.stream:
-            text, lps, done = await srv.collect(job, request)
-            if done is None:
+            results = await choices.collect(srv, jobs, request)
+            if results is None:
                 return Response(status_code=499)
-            head = len(ids) if scored else 0   # the prompt's items (their offsets count from the echo's start)
-            out = obj(echo + text, done.finish_reason,
-                      _joined(_completion_logprobs(lps[:head], 0), _completion_logprobs(lps[head:], len(echo)))
-                      if body.logprobs is not None else None)
-            return out | {"usage": _usage(len(ids), done)}
+            return obj(*[one(echo + text, done.finish_reason, logprobs(lps) if body.logprobs is not None else None, i)
+                         for i, (text, lps, done) in enumerate(results)]) | \
+                {"usage": choices.usage(len(ids), [done for _, _, done in results])}
 
-        offset = [len(echo)]
+        def choice(i):
+            offset = [len(echo)]
 
-        def chunk(text, lp):
-            logprobs = None
-            if lp is not None:
-                logprobs = _completion_logprobs([lp], offset[0])
-                offset[0] += len(lp[0])
-            return obj(text, logprobs=logprobs)
+            def chunk(text, lp):
+                lps = None
+                if lp is not None:
+                    lps = _completion_logprobs([lp], offset[0])
+                    offset[0] += len(lp[0])
+                return obj(one(text, logprobs=lps, index=i))
 
-        def final(done):
-            out = ([obj(done.text)] if done.text else []) + [obj("", done.finish_reason)]
-            if body.include_usage:
-                out.append({**obj(""), "choices": [], "usage": _usage(len(ids), done)})
-            return out
-        return StreamingResponse(srv.stream(job, _sse(obj(echo)) if echo and not scored else b"", chunk, final,
-                                            lambda items: obj(echo, logprobs=_completion_logprobs(items, 0))),
+            def final(done):
+                tail = [obj(one(done.text, index=i))] if done.text else []
+                return tail + [obj(one("", done.finish_reason, index=i))]
+            return chunk, final, lambda items: obj(one(echo, logprobs=_completion_logprobs(items, 0), index=i))
+
+        def usage(dones):
+            return obj() | {"usage": choices.usage(len(ids), dones)} if body.include_usage else None
+        def first(i):   # the echo, unless it waits for its logprobs (the prompt callback above)
+            return _sse(obj(one(echo, index=i))) if echo and not scored else b""
+        return StreamingResponse(choices.stream(srv, jobs, first, [choice(i) for i in range(body.n)], usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/chat/completions")
@@ -355,45 +322,55 @@ def create_app(server: Server) -> FastAPI:
         n = fit(engine, ids, *requested(body, "max_completion_tokens", "max_tokens", "n_predict"))
         top = (body.top_logprobs or 0) if body.logprobs else None
         forced = tools.constraint(srv.grammar_engine())
-        job = srv.submit(request, Job(ids, n, srv.sampling(body, forced), body.stops, top))
+        sampled = srv.sampling(body, forced)
+        jobs = choices.submit(srv, request, body.n, lambda i: Job(ids, n, choices.seeded(sampled, i), body.stops, top))
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def obj(kind, choice):
+        def obj(kind, choice, index=0):
             return {"id": cid, "object": kind, "created": created, "model": srv.model_id,
-                    "choices": [{"index": 0, "logprobs": None, "finish_reason": None} | choice]}
+                    "choices": [{"index": index, "logprobs": None, "finish_reason": None} | choice]}
 
         if not body.stream:
-            text, lps, done = await srv.collect(job, request)
-            if done is None:
+            results = await choices.collect(srv, jobs, request)
+            if results is None:
                 return Response(status_code=499)
-            content, calls = tools.parse(text)
-            return obj("chat.completion", {"message": {"role": "assistant", "content": content} |
-                                                      ({"tool_calls": calls} if calls else {}),
-                                           "logprobs": _chat_logprobs(lps) if body.logprobs else None,
-                                           "finish_reason": "tool_calls" if calls else done.finish_reason}) | \
-                {"usage": _usage(len(ids), done)}
 
-        calls = tools.stream() if tools.active else None   # tool-call blocks come out as delta.tool_calls
+            def whole(i, text, lps, done):
+                content, calls = tools.parse(text)
+                return obj("chat.completion", {"message": {"role": "assistant", "content": content} |
+                                                          ({"tool_calls": calls} if calls else {}),
+                                               "logprobs": _chat_logprobs(lps) if body.logprobs else None,
+                                               "finish_reason": "tool_calls" if calls else done.finish_reason},
+                           i)["choices"][0]
+            return obj("chat.completion", {}) | {"choices": [whole(i, *r) for i, r in enumerate(results)],
+                                                 "usage": choices.usage(len(ids), [done for _, _, done in results])}
 
-        def chunk(text, lp):
-            lps = {"logprobs": _chat_logprobs([lp]) if lp else None}
-            if calls is None:
-                return obj("chat.completion.chunk", {"delta": {"content": text}} | lps)
-            deltas = calls.push(text) or ([{}] if lp else [])
-            return [obj("chat.completion.chunk", {"delta": d} | (lps if i == 0 else {}))
-                    for i, d in enumerate(deltas)]
+        def choice(i):
+            calls = tools.stream() if tools.active else None   # tool-call blocks come out as delta.tool_calls
 
-        def final(done):
-            tail = calls.push(done.text) + calls.flush() if calls else [{"content": done.text}] if done.text else []
-            finish = "tool_calls" if calls and calls.calls else done.finish_reason
-            out = [obj("chat.completion.chunk", {"delta": d}) for d in tail] + \
-                  [obj("chat.completion.chunk", {"delta": {}, "finish_reason": finish})]
-            if body.include_usage:
-                out.append({**obj("chat.completion.chunk", {}), "choices": [], "usage": _usage(len(ids), done)})
-            return out
-        first = _sse(obj("chat.completion.chunk", {"delta": {"role": "assistant", "content": ""}}))
-        return StreamingResponse(srv.stream(job, first, chunk, final), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+            def chunk(text, lp):
+                lps = {"logprobs": _chat_logprobs([lp]) if lp else None}
+                if calls is None:
+                    return obj("chat.completion.chunk", {"delta": {"content": text}} | lps, i)
+                deltas = calls.push(text) or ([{}] if lp else [])
+                return [obj("chat.completion.chunk", {"delta": d} | (lps if k == 0 else {}), i)
+                        for k, d in enumerate(deltas)]
+
+            def final(done):
+                tail = calls.push(done.text) + calls.flush() if calls else [{"content": done.text}] if done.text else []
+                finish = "tool_calls" if calls and calls.calls else done.finish_reason
+                return [obj("chat.completion.chunk", {"delta": d}, i) for d in tail] + \
+                       [obj("chat.completion.chunk", {"delta": {}, "finish_reason": finish}, i)]
+            return chunk, final, None
+
+        def usage(dones):
+            return {**obj("chat.completion.chunk", {}), "choices": [], "usage": choices.usage(len(ids), dones)} \
+                if body.include_usage else None
+
+        def first(i):
+            return _sse(obj("chat.completion.chunk", {"delta": {"role": "assistant", "content": ""}}, i))
+        return StreamingResponse(choices.stream(srv, jobs, first, [choice(i) for i in range(body.n)], usage),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     llama_compat.install(app, srv)
     srv.endpoints = {r.path for r in app.routes}

@@ -1,8 +1,8 @@
 """Request bodies, with OpenAI's field names (and llama-server's for /tokenize, /detokenize;
 /infill and /completion are serve/llama_compat.py's).
 Fields that change nothing here (user, cache_prompt, ...) are listed in serve/fields.py and ignored, any
-other unknown field is a 400; values the server cannot honour (n > 1, a batch of prompts) are refused by
-the routes."""
+other unknown field is a 400; values the server cannot honour (best_of > 1, a batch of prompts) are
+refused by the routes."""
 
 from __future__ import annotations
 
