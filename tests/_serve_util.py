@@ -47,6 +47,24 @@ def model_and_cache(tmp_path_factory, name: str) -> tuple[Path, Path]:
     return fim_model_dir(root / "small-py-fim"), root / "cache"
 
 
+def model_fixtures(name: str):
+    """(model, local) module fixtures: the small model packed under ``name`` (model_and_cache) and an engine
+    of it in this process, (engine, tokenizer, stop ids). In a test module: ``model, local = model_fixtures(..)``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory):
+        return model_and_cache(tmp_path_factory, name)
+
+    @pytest.fixture(scope="module")
+    def local(model):
+        engine, tok, stop = open_local(*model)
+        yield engine, tok, stop
+        engine.close()
+
+    return model, local
+
+
 def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path) -> ServerProcess:
     """A real `nanoqwen serve` on a free port with its own kernel / model cache."""
     return ServerProcess(model, *args, backend=backend, log_dir=cache_dir, env={"NANOQWEN_CACHE_DIR": str(cache_dir)})

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import model_and_cache, open_local, server as start_server, serve_in_process
+from _serve_util import model_fixtures, serve_in_process, server as start_server
 from _texts import code_text
 from nanoqwen.runtime.sampler import Sampling
 from nanoqwen.serve.jobs import top_logprobs
@@ -23,16 +23,7 @@ from nanoqwen.serve.jobs import top_logprobs
 STEP_TOKENS = 16   # small, so that prompts are read in many chunks between the running streams' steps
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return model_and_cache(tmp_path_factory, "batching")
-
-
-@pytest.fixture(scope="module")
-def local(model):
-    engine, tok, stop = open_local(*model)
-    yield engine, tok, stop
-    engine.close()
+model, local = model_fixtures("batching")
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,13 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import ScriptedEngine, greedy, model_and_cache, open_local, serve_in_process, server as start_server
+from _serve_util import ScriptedEngine, greedy, model_fixtures, serve_in_process, server as start_server
 
 PROMPT = "def parse_args(argv):\n    "
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return model_and_cache(tmp_path_factory, "choices")
-
-
-@pytest.fixture(scope="module")
-def local(model):
-    engine, tok, stop = open_local(*model)
-    yield engine, tok, stop
-    engine.close()
+model, local = model_fixtures("choices")
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,12 @@ import numpy as np
 import openai
 import pytest
 
-from _serve_util import ScriptedEngine, greedy, model_and_cache, open_local, serve_in_process, server as start_server
+from _serve_util import ScriptedEngine, greedy, model_fixtures, serve_in_process, server as start_server
 
 PROMPT = "import os\n\ndef read_lines(path):\n    "
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return model_and_cache(tmp_path_factory, "echo")
-
-
-@pytest.fixture(scope="module")
-def local(model):
-    engine, tok, stop = open_local(*model)
-    yield engine, tok, stop
-    engine.close()
+model, local = model_fixtures("echo")
 
 
 @pytest.fixture(scope="module")
