@@ -33,3 +33,6 @@ def test_percentile_and_report():
     res = {"levels": [{"clients": 2, "aggregate_tokens_per_s": 10.0, "itl_ms": {"p50": 1.0, "p99": 2.0}}],
            "ttft_with_7_decoding": {"server_ms": 3.0, "client_ms": 4.0}}
     assert concurrency.report(res).splitlines()[2].split("|")[0].strip() == "2"
+    res["ttft_with_7_decoding"] = {"skipped": "the server runs 1 sequence(s) at once"}
+    assert concurrency.report(res).splitlines()[-1] == ("TTFT while 7 streams decode: not measured "
+                                                       "(the server runs 1 sequence(s) at once)")
