@@ -175,11 +175,7 @@ def run(model: str = "7b", backend: str = "cuda", gen: int = GEN, prompt_tokens:
     extras.require("serve", "the grammar benchmark (the server's request code)")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
-    gpu = None
-    if backend == "cuda":
-        from ..runtime import driver
-        props = driver.device().props   # no device: one clear error before packing gigabytes
-        gpu = {"name": props.name, "driver_version": props.driver_version}
+    gpu = protocol.gpu_info(backend)
     path = protocol.resolve_model(model, cfg, log)
     nq = NanoqwenFile(path, cfg)
     vocab = nq.dims.vocab
@@ -293,9 +289,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(table(res))
-    if args.json:
-        protocol.write_json(res, args.json)
-        print(f"wrote {args.json}")
+    protocol.save(res, args.json)
     return 0
 
 
