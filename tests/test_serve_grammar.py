@@ -141,3 +141,15 @@ def test_a_grammar_with_no_way_on_fails_the_request_not_the_engine():
         m.accept(tok.encode("b")[0])
     with pytest.raises(ContextError, match="the grammar failed"):
         m.mask(np.zeros(2048))
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_take_fails_the_request_not_the_engine(tmp_path):
+    """bench/serve.py's word-level stand-in has no byte-level decoder: llguidance refuses it, and a
+    response_format request on such a server is a 400 (ContextError), where it used to end a GPU engine."""
+    from nanoqwen.bench.serve import word_tokenizer
+    from nanoqwen.runtime.generate import ContextError
+    from nanoqwen.serve.grammar import Grammars
+    tok = tokenizer.Tokenizer(word_tokenizer(64, tmp_path))
+    constraint = Grammars(tok, 64, frozenset()).json_schema({"type": "object"}, "response_format")
+    with pytest.raises(ContextError, match="cannot use this model's tokenizer"):
+        constraint.start()
