@@ -9,6 +9,7 @@ multiple of the quant group (128)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import sysconfig
@@ -109,20 +110,64 @@ def read_sources(paths) -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = 2048):
-    """Byte-level BPE like Qwen2's (NFC, Qwen2 split regex, byte-level alphabet); the special tokens take
-    ids 0..8. Deterministic for a fixed corpus."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def _byte_level(model):
+    """A `tokenizers.Tokenizer` of ``model`` (a BPE) set up like Qwen2's: NFC, Qwen2 split regex, byte-level."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(model)
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 2048):
+    """Byte-level BPE like Qwen2's (NFC, Qwen2 split regex, byte-level alphabet); the special tokens take
+    ids 0..8. Deterministic for a fixed corpus."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def sized_tokenizer(texts: list[str], size: int, seed: int = 0, max_len: int = 16):
+    """A byte-level BPE of ``size`` tokens (special tokens at ids 0..8) where no real tokenizer of that size
+    is at hand: a grammar engine's cost per token grows with the vocabulary it walks. After the specials
+    and the byte alphabet, every substring (2..max_len characters) of a pre-tokenized chunk of ``texts``,
+    most frequent first; then, to reach ``size`` (a corpus of a few hundred KB gives tens of thousands),
+    seeded random one-character extensions of the tokens so far, the characters drawn with the corpus's
+    frequencies. Every token is a merge of a shorter one and a character, so it is a valid BPE."""
+    from tokenizers import models, pre_tokenizers
+
+    pre = _byte_level(models.BPE()).pre_tokenizer
+    chunks = [c for t in texts for c, _ in pre.pre_tokenize_str(t)]
+    counts = collections.Counter(c[i:j] for c in chunks for i in range(len(c))
+                                 for j in range(i + 2, min(len(c), i + max_len) + 1))
+    # most frequent first, then shorter: a token's prefix (as frequent at least) always comes before it
+    tokens = list(SPECIAL_TOKENS) + pre_tokenizers.ByteLevel.alphabet() + sorted(counts, key=lambda t: (-counts[t],
+                                                                                                     len(t), t))
+    if len(tokens) > size:
+        tokens = tokens[:size]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    chars = collections.Counter("".join(chunks))
+    alphabet, weights = list(chars), np.array(list(chars.values()), np.float64)
+    rng = np.random.default_rng(seed)
+    words = list(vocab)[len(SPECIAL_TOKENS):]
+    while len(vocab) < size:   # in batches: each draws parents among the tokens made before it
+        parents = rng.integers(0, len(words), 4096)
+        for p, c in zip(parents, rng.choice(len(alphabet), 4096, p=weights / weights.sum())):
+            t = words[p] + alphabet[c]
+            if t not in vocab and len(vocab) < size:
+                vocab[t] = len(vocab)
+                words.append(t)
+    merges = [(t[:-1], t[-1]) for t in list(vocab)[len(SPECIAL_TOKENS) + 256:]]
+    tok = _byte_level(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 
 

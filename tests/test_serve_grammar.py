@@ -7,7 +7,6 @@ on the greedy path (stand-in engine records its Sampling)."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -15,6 +14,7 @@ from _serve_util import ScriptedEngine, serve_in_process
 from nanoqwen import tokenizer
 from nanoqwen.backends import ReferenceEngine
 from nanoqwen.modelcache import resolve
+from nanoqwen.schema_check import valid
 from nanoqwen.testmodels import SMALL_PY_DIR
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
@@ -33,35 +33,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "maxLength": 12}}}}}
 
 
-def valid(value, schema: dict) -> bool:
-    """The JSON Schema keywords these tests use (type, properties, required, additionalProperties, items,
-    maxItems, enum, minimum, maximum, maxLength, pattern), checked strictly."""
-    kind = schema.get("type")
-    types = {"object": dict, "array": list, "string": str, "boolean": bool}
-    if kind == "integer":
-        if not isinstance(value, int) or isinstance(value, bool):
-            return False
-    elif kind in types and not isinstance(value, types[kind]):
-        return False
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    if kind == "integer" and not schema.get("minimum", value) <= value <= schema.get("maximum", value):
-        return False
-    if kind == "string" and (len(value) > schema.get("maxLength", len(value))
-                             or ("pattern" in schema and not re.search(schema["pattern"], value))):
-        return False
-    if kind == "array":
-        return len(value) <= schema.get("maxItems", len(value)) and all(valid(v, schema["items"]) for v in value)
-    if kind == "object":
-        props = schema.get("properties", {})
-        if any(k not in value for k in schema.get("required", [])):
-            return False
-        if schema.get("additionalProperties") is False and any(k not in props for k in value):
-            return False
-        return all(valid(v, props[k]) for k, v in value.items() if k in props)
-    return True
-
-
 def test_the_validator_refuses():   # the check below is only as good as this one
     good = {"name": "a", "age": 3, "tags": ["dev"], "address": {"city": "x", "zip": "12345"}}
     assert valid(good, PERSON)
@@ -69,6 +40,8 @@ def test_the_validator_refuses():   # the check below is only as good as this on
                 {**good, "address": {"zip": "12345"}}, {**good, "address": {"city": "x", "zip": "1234"}},
                 {k: v for k, v in good.items() if k != "name"}, {**good, "name": "n" * 13}):
         assert not valid(bad, PERSON), bad
+    with pytest.raises(ValueError, match="minLength"):   # a keyword it does not check is refused, not skipped
+        valid("x", {"type": "string", "minLength": 2})
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +141,15 @@ def test_a_grammar_with_no_way_on_fails_the_request_not_the_engine():
         m.accept(tok.encode("b")[0])
     with pytest.raises(ContextError, match="the grammar failed"):
         m.mask(np.zeros(2048))
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_take_fails_the_request_not_the_engine(tmp_path):
+    """bench/serve.py's word-level stand-in has no byte-level decoder: llguidance refuses it, and a
+    response_format request on such a server is a 400 (ContextError), where it used to end a GPU engine."""
+    from nanoqwen.bench.serve import word_tokenizer
+    from nanoqwen.runtime.generate import ContextError
+    from nanoqwen.serve.grammar import Grammars
+    tok = tokenizer.Tokenizer(word_tokenizer(64, tmp_path))
+    constraint = Grammars(tok, 64, frozenset()).json_schema({"type": "object"}, "response_format")
+    with pytest.raises(ContextError, match="cannot use this model's tokenizer"):
+        constraint.start()

@@ -17,6 +17,9 @@
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
+#   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
+#                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
+#                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
 #   GPU_CHECK_GATE     the regression gate for a change to kernels, the runtime or the launch path: a tree
 #                      of the commit to hold the line against (tools/ab_tree.sh COMMIT writes .ab/COMMIT;
 #                      name .ab in the device call's carry). Runs every GPU test (GPU_CHECK_TESTS may
@@ -83,6 +86,7 @@ fi
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
+[ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
 if [ -n "${GPU_CHECK_AB:-}" ]; then
     ab_args=(--old-commit "$(basename "$GPU_CHECK_AB")" --out "$OUT/ab-decode.json")

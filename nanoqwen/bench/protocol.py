@@ -239,6 +239,23 @@ def write_json(obj: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def save(obj: dict, path: Path | None) -> None:
+    """A benchmark's ``--json`` output: written when a path is given, and said."""
+    if path is not None:
+        write_json(obj, path)
+        print(f"wrote {path}")
+
+
+def gpu_info(backend: str) -> dict | None:
+    """The device a ``backend`` benchmark runs on (None off CUDA); no device is one clear error, raised before
+    a model of gigabytes is packed."""
+    if backend != "cuda":
+        return None
+    from ..runtime import driver
+    props = driver.device().props
+    return {"name": props.name, "driver_version": props.driver_version}
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 

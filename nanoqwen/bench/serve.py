@@ -104,12 +104,7 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
     from ..serve.launch import ServerProcess
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
-    if backend == "cuda":
-        from ..runtime import driver
-        props = driver.device().props   # no device: one clear error before packing gigabytes
-        gpu = {"name": props.name, "driver_version": props.driver_version}
-    else:
-        gpu = None
+    gpu = protocol.gpu_info(backend)
     path = protocol.resolve_model(model, cfg, log)
     nq = NanoqwenFile(path, cfg)
     dims = nq.dims
@@ -162,11 +157,7 @@ def run_concurrency(prompt_len: int = PROMPT_COLD, gen: int = 128, model: str = 
     from . import concurrency
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
-    gpu = None
-    if backend == "cuda":
-        from ..runtime import driver
-        props = driver.device().props   # no device: one clear error before packing gigabytes
-        gpu = {"name": props.name, "driver_version": props.driver_version}
+    gpu = protocol.gpu_info(backend)
     path = protocol.resolve_model(model, cfg, log)
     nq = NanoqwenFile(path, cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,9 +187,7 @@ def main(argv=None) -> int:
         from .concurrency import report
         res = run_concurrency(args.prompt_tokens, args.gen_tokens, args.model, args.backend)
         print(report(res))
-        if args.json:
-            protocol.write_json(res, args.json)
-            print(f"wrote {args.json}")
+        protocol.save(res, args.json)
         return 0
     res = run(args.repetitions, args.gen_tokens, args.model, args.backend)
     c, w, s, st = res["ttft_cold_512"], res["ttft_4096_cached_4064"], res["stream_tokens_per_s"], res["stream_ttft_512"]
@@ -208,9 +197,7 @@ def main(argv=None) -> int:
           f"stream: {s['server']['median']:.1f} tokens/s through the server, {s['engine']['median']:.1f} in the "
           f"engine ({100 * s['server_vs_engine']:.1f}%); first chunk {st['server_ms']['median']:.2f} ms "
           f"server-side, {st['client_ms']['median']:.2f} ms at the client")
-    if args.json:
-        protocol.write_json(res, args.json)
-        print(f"wrote {args.json}")
+    protocol.save(res, args.json)
     return 0
 
 

@@ -242,9 +242,7 @@ def main(argv=None) -> int:
         e = res["edit"]
         print(f"edit workload ({len(e['cases'])} cases): acceptance {e['acceptance']:.2f}, speed-up "
               f"{e['speedup']:.2f}x ({e['spec_tokens_per_s']:.0f} vs {e['plain_tokens_per_s']:.0f} tokens/s)")
-    if args.json:
-        protocol.write_json(res, args.json)
-        print(f"wrote {args.json}")
+    protocol.save(res, args.json)
     return 0
 
 

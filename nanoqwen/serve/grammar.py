@@ -46,11 +46,16 @@ class Grammars:
         self._lock = threading.Lock()
 
     def lltokenizer(self):
-        """Built on first use (by the engine thread: it may take a second)."""
+        """Built on first use (by the engine thread: it may take a second). A tokenizer llguidance cannot
+        take (no byte-level or byte-fallback decoder: a word-level one, say) fails the request (ContextError,
+        a 400), not the engine."""
         with self._lock:
             if self._ll is None:
                 lg = _llguidance("response_format")
-                self._ll = lg.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab, eos_token=self.eos)
+                try:
+                    self._ll = lg.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab, eos_token=self.eos)
+                except ValueError as e:
+                    raise ContextError(f"the grammar engine cannot use this model's tokenizer: {e}") from None
             return self._ll
 
     def json_schema(self, schema: dict, param: str) -> "Constraint":
