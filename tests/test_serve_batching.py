@@ -240,6 +240,42 @@ def test_a_step_fault_fails_its_sequences_and_the_reference_serves_on(model, loc
         engine.batch = plain
 
 
+def test_a_grammar_that_cannot_start_fails_its_request_only(local, ids, monkeypatch):
+    """A request whose grammar fails as it is admitted (here: its matcher refuses to start) is a 400 of its
+    own; a stream running beside it finishes as it does alone, and its sequence's pages go back."""
+    from nanoqwen.runtime.generate import ContextError
+    from nanoqwen.serve import grammar
+
+    def refuse(self):
+        raise ContextError("the grammar engine cannot use this model's tokenizer: test")
+    monkeypatch.setattr(grammar.Constraint, "start", refuse)
+    engine, tok, _ = local
+    client = serve_in_process(lambda: (engine, tok))
+    results = {}
+
+    def running():
+        results["run"] = client.post("/v1/completions", json={"prompt": ids[:30], "max_tokens": 40,
+                                                              "temperature": 0, "logprobs": 1}).json()
+
+    t = threading.Thread(target=running)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "nanoqwen_requests_running 1.0" not in client.get("/metrics").text:
+        assert time.monotonic() < deadline and t.is_alive(), "the first request never ran"
+        time.sleep(0.01)
+    u = threading.Thread(target=lambda: results.update(bad=client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
+    u.start()
+    for th in (t, u):
+        th.join(120)
+        assert not th.is_alive(), "a request never got its answer"
+    bad = results["bad"]
+    assert bad.status_code == 400 and "cannot use this model's tokenizer" in bad.json()["error"]["message"]
+    assert results["run"]["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:30], 40)[0]
+    assert "nanoqwen_kv_pages{state=\"running\"} 0.0" in client.get("/metrics").text
+
+
 class CountingEngine:
     """A stand-in engine without ``batch``: counts the token streams open at once."""
 

@@ -164,21 +164,24 @@ class Scheduler:
             job = w.take(wait=not self.running)
             if job is None:
                 break
+            seq = None
             try:
                 check_request(self.engine.dims, job.prompt, max(job.max_tokens, 1), self.engine.context)
                 seq = self.batch.open(job.prompt, len(job.prompt) + max(job.max_tokens, 1) - 1)
+                if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a
+                    seq.lease.reused = seq.pos = 0     # reused prefix (its K/V rows come out bitwise the same)
+                decoding = Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling, self.engine.speculate)
             except PagesShort:
                 w.put_back(job)   # waits at the head of the queue for a running sequence's pages
                 break
-            except Exception as e:  # noqa: BLE001 - a request error (400) or a fault (500) of this request
+            except Exception as e:  # noqa: BLE001 - a request error (a 400: its grammar cannot start, say) or a
+                if seq is not None:   # fault (500) of this request only
+                    self.batch.close(seq, [])
                 w.fault(e, [job])
                 continue
-            if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a reused
-                seq.lease.reused = seq.pos = 0     # prefix (its K/V rows come out bitwise the same)
             reply = self._reply(job)
             reply.cached = seq.reused
-            self.running.append(Running(reply, Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling,
-                                                        self.engine.speculate)))
+            self.running.append(Running(reply, decoding))
         self._gauges()
 
     def _step(self) -> None:
