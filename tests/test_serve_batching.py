@@ -294,7 +294,8 @@ def test_a_step_fault_fails_its_sequences_and_the_reference_serves_on(model, loc
 
 def test_a_grammar_that_cannot_start_fails_its_request_only(local, ids, monkeypatch):
     """A request whose grammar fails as it is admitted (here: its matcher refuses to start) is a 400 of its
-    own; a stream running beside it finishes as it does alone, and its sequence's pages go back."""
+    own; a stream running beside it finishes as it does alone, and its sequence's pages go back. The steps
+    are held so that the 400 comes while the other still runs."""
     from nanoqwen.runtime.generate import ContextError
     from nanoqwen.serve import grammar
 
@@ -302,29 +303,36 @@ def test_a_grammar_that_cannot_start_fails_its_request_only(local, ids, monkeypa
         raise ContextError("the grammar engine cannot use this model's tokenizer: test")
     monkeypatch.setattr(grammar.Constraint, "start", refuse)
     engine, tok, _ = local
-    client = serve_in_process(lambda: (engine, tok))
-    results = {}
-
-    def running():
-        results["run"] = client.post("/v1/completions", json={"prompt": ids[:30], "max_tokens": 40,
-                                                              "temperature": 0, "logprobs": 1}).json()
-
-    t = threading.Thread(target=running)
-    t.start()
-    deadline = time.monotonic() + 60
-    while "nanoqwen_requests_running 1.0" not in client.get("/metrics").text:
-        assert time.monotonic() < deadline and t.is_alive(), "the first request never ran"
-        time.sleep(0.01)
-    u = threading.Thread(target=lambda: results.update(bad=client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
-    u.start()
-    for th in (t, u):
-        th.join(120)
-        assert not th.is_alive(), "a request never got its answer"
-    bad = results["bad"]
-    assert bad.status_code == 400 and "cannot use this model's tokenizer" in bad.json()["error"]["message"]
-    assert results["run"]["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:30], 40)[0]
+    held = engine.batch = HeldSteps(engine.batch, allowed=1)
+    try:
+        client = serve_in_process(lambda: (engine, tok))
+        results = {}
+        t = threading.Thread(target=lambda: results.update(run=client.post("/v1/completions", json={
+            "prompt": ids[:30], "max_tokens": 40, "temperature": 0, "logprobs": 1})))
+        t.start()
+        held.wait_held(1)   # the first runs: its prompt was read in step 1
+        u = threading.Thread(target=lambda: results.update(bad=client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
+        u.start()
+        deadline = time.monotonic() + 60
+        while "nanoqwen_queue_depth 1.0" not in client.get("/metrics").text:
+            assert time.monotonic() < deadline and u.is_alive(), "the second request never reached the queue"
+            time.sleep(0.02)
+        held.allow(1)   # one more step, then the admission that fails the second
+        u.join(60)
+        assert not u.is_alive(), "the failed request never got its answer"
+        bad = results["bad"]
+        assert bad.status_code == 400 and "cannot use this model's tokenizer" in bad.json()["error"]["message"]
+        held.wait_held(2)
+        assert t.is_alive() and "nanoqwen_requests_running 1.0" in client.get("/metrics").text   # still beside it
+        held.free()
+        t.join(120)
+        assert not t.is_alive(), "the running request never got its answer"
+    finally:
+        held.free()
+        engine.batch = held.batch
+    assert results["run"].json()["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:30], 40)[0]
     assert "nanoqwen_kv_pages{state=\"running\"} 0.0" in client.get("/metrics").text
 
 
