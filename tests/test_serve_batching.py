@@ -3,7 +3,9 @@
 each of them (a function of its whole logits row), must be bitwise what the same engine gives the request
 alone, whatever ran beside it: mixed prompt lengths read in chunks between decode steps, mixed max_tokens,
 clients that leave mid-stream, speculative requests, a sequence that waits for pages. The reference's step
-computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact."""
+computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. Where a
+test needs two requests side by side at a given moment (a page wait, a failed admission), the app runs in
+process and the test holds the engine thread between steps (HeldSteps) rather than racing it."""
 
 from __future__ import annotations
 
