@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -304,10 +303,11 @@ def test_memory_limit_is_total_across_processes(tmp_path):
 
 
 def test_infinite_loop_times_out_on_the_wall_clock(tmp_path):
-    t0 = time.perf_counter()
+    """Ended by the supervisor's deadline, not by the harness's backstop (which reports no status): the run's
+    own clock (from the supervisor's start, after the one-time mount plan) reads at least the limit."""
     out = run("while True:\n    pass\n", tmp_path)
-    assert out.status == "timeout" and "wall time" in out.detail
-    assert LIMITS.timeout_s <= time.perf_counter() - t0 < LIMITS.timeout_s + 2
+    assert out.status == "timeout" and "wall time" in out.detail, out
+    assert LIMITS.timeout_s <= out.seconds < LIMITS.timeout_s + sandbox.GRACE_S
 
 
 def test_cpu_limit_counts_cpu_seconds():
@@ -321,7 +321,7 @@ def test_cpu_limit_ends_a_program_with_sigxcpu(tmp_path):
     program = ("import resource\n"
                "resource.setrlimit(resource.RLIMIT_CPU, (1, resource.getrlimit(resource.RLIMIT_CPU)[1]))\n"
                "while True:\n    pass\n")
-    limits = sandbox.Limits(timeout_s=10.0)  # room for one CPU second on a busy machine
+    limits = sandbox.Limits(timeout_s=60.0)  # room for one CPU second on a busy machine; SIGXCPU ends it long before
     out = run(program, tmp_path, limits)
     assert out.status == "timeout" and out.detail.startswith("CPU time limit"), out
     assert out.seconds < limits.timeout_s

@@ -3,7 +3,9 @@
 each of them (a function of its whole logits row), must be bitwise what the same engine gives the request
 alone, whatever ran beside it: mixed prompt lengths read in chunks between decode steps, mixed max_tokens,
 clients that leave mid-stream, speculative requests, a sequence that waits for pages. The reference's step
-computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact."""
+computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. Where a
+test needs two requests side by side at a given moment (a page wait, a failed admission), the app runs in
+process and the test holds the engine thread between steps (HeldSteps) rather than racing it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import model_fixtures, serve_in_process, server as start_server
+from _serve_util import model_fixtures, open_local, serve_in_process, server as start_server
 from _texts import code_text
 from nanoqwen.runtime.sampler import Sampling
 from nanoqwen.serve.jobs import top_logprobs
@@ -177,32 +179,84 @@ def test_speculative_streams_beside_others_are_plain_greedy(model, local, ids):
 
 # ---- a sequence that cannot get pages waits -------------------------------------------------------------
 
+class HeldSteps:
+    """The reference's multi-sequence step under the test's control: the engine thread starts a step only
+    while fewer than ``allowed`` have started (``allow`` raises it, ``free`` lifts the hold), so what the
+    scheduler did between two steps can be read while it waits at the next one (``wait_held``)."""
+
+    def __init__(self, batch, allowed: int):
+        self.batch, self.allowed, self.started, self.holding = batch, allowed, 0, False
+        self.cv = threading.Condition()
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+    def step(self, work):
+        with self.cv:
+            self.holding = True
+            self.cv.notify_all()
+            assert self.cv.wait_for(lambda: self.started < self.allowed, 120), "a step was held too long"
+            self.started, self.holding = self.started + 1, False
+        return self.batch.step(work)
+
+    def wait_held(self, started: int) -> None:
+        """Until the engine thread waits at the next step after ``started`` steps."""
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.holding and self.started == started, 60), \
+                f"the engine thread never got past {started} steps to the next"
+
+    def allow(self, n: int = 1) -> None:
+        with self.cv:
+            self.allowed += n
+            self.cv.notify_all()
+
+    def free(self) -> None:
+        self.allow(1 << 30)
+
+
+def answer(r) -> tuple[list[str], list[float], str]:
+    """(token texts, their logprobs, finish reason) of a non-streamed completion with logprobs 1."""
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["finish_reason"]
+
+
 def test_a_sequence_short_of_pages_waits_and_others_run(model, local, ids):
     """A pool of 256 tokens (16 pages) holds one 200-position sequence: a second one waits at the head of the
     queue while rows are free (running 1, waiting 1) instead of failing either, then runs once the first
-    has ended; both are exactly what they give alone."""
-    s = start_server(model[0], "--context", "256", "--kv-tokens", "256", cache_dir=model[1])
+    has ended; both are exactly what they give alone. The steps are held so that the scheduler's admission
+    of the second is read while the first still runs."""
+    engine, tok, _ = open_local(*model, context=256)   # its KV pool holds `context` tokens
+    held = engine.batch = HeldSteps(engine.batch, allowed=1)
     try:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        big, waiter = ids[:100], ids[400:500]
-        chunks = iter(client.completions.create(model="m", prompt=big, max_tokens=100, stream=True, logprobs=1,
-                                                temperature=0))
-        head = next(chunks).choices[0].logprobs.tokens
-        result = {}
-        t = threading.Thread(target=lambda: result.update(w=stream(client, waiter, 100)))
-        t.start()
+        client = serve_in_process(lambda: (engine, tok))
+        big, waiter, got = ids[:100], ids[400:500], {}
+
+        def ask(name, prompt):
+            got[name] = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100,
+                                                             "temperature": 0, "logprobs": 1})
+        threads = [threading.Thread(target=ask, args=("big", big))]
+        threads[0].start()
+        held.wait_held(1)   # the first runs: its prompt was read in step 1
+        threads.append(threading.Thread(target=ask, args=("waiter", waiter)))
+        threads[1].start()
         deadline = time.monotonic() + 60
-        while s.metric("nanoqwen_queue_depth") != 1:
-            assert time.monotonic() < deadline, "the second request never waited"
+        while "nanoqwen_queue_depth 1.0" not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the second request never reached the queue"
             time.sleep(0.02)
-        assert s.metric("nanoqwen_requests_running") == 1
-        rest = [c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs]
-        t.join(300)
-        assert head + sum(rest, []) == alone(local, big, 100)[0]
-        texts, lps, finish = alone(local, waiter, 100)
-        assert (result["w"]["texts"], result["w"]["lps"], result["w"]["finish"]) == (texts, lps, finish)
+        held.allow(1)   # one more step, then an admission with the second at the head of the queue
+        held.wait_held(2)
+        text = client.get("/metrics").text
+        assert "nanoqwen_queue_depth 1.0" in text and "nanoqwen_requests_running 1.0" in text, text
+        held.free()
+        for t in threads:
+            t.join(300)
+            assert not t.is_alive(), "a request never got its answer"
+        assert answer(got["big"]) == alone(local, big, 100)
+        assert answer(got["waiter"]) == alone(local, waiter, 100)
     finally:
-        s.close()
+        held.free()
+        engine.close()
 
 
 # ---- in-process: faults, and an engine without the multi-sequence step ----------------------------------
@@ -242,7 +296,8 @@ def test_a_step_fault_fails_its_sequences_and_the_reference_serves_on(model, loc
 
 def test_a_grammar_that_cannot_start_fails_its_request_only(local, ids, monkeypatch):
     """A request whose grammar fails as it is admitted (here: its matcher refuses to start) is a 400 of its
-    own; a stream running beside it finishes as it does alone, and its sequence's pages go back."""
+    own; a stream running beside it finishes as it does alone, and its sequence's pages go back. The steps
+    are held so that the 400 comes while the other still runs."""
     from nanoqwen.runtime.generate import ContextError
     from nanoqwen.serve import grammar
 
@@ -250,29 +305,36 @@ def test_a_grammar_that_cannot_start_fails_its_request_only(local, ids, monkeypa
         raise ContextError("the grammar engine cannot use this model's tokenizer: test")
     monkeypatch.setattr(grammar.Constraint, "start", refuse)
     engine, tok, _ = local
-    client = serve_in_process(lambda: (engine, tok))
-    results = {}
-
-    def running():
-        results["run"] = client.post("/v1/completions", json={"prompt": ids[:30], "max_tokens": 40,
-                                                              "temperature": 0, "logprobs": 1}).json()
-
-    t = threading.Thread(target=running)
-    t.start()
-    deadline = time.monotonic() + 60
-    while "nanoqwen_requests_running 1.0" not in client.get("/metrics").text:
-        assert time.monotonic() < deadline and t.is_alive(), "the first request never ran"
-        time.sleep(0.01)
-    u = threading.Thread(target=lambda: results.update(bad=client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
-    u.start()
-    for th in (t, u):
-        th.join(120)
-        assert not th.is_alive(), "a request never got its answer"
-    bad = results["bad"]
-    assert bad.status_code == 400 and "cannot use this model's tokenizer" in bad.json()["error"]["message"]
-    assert results["run"]["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:30], 40)[0]
+    held = engine.batch = HeldSteps(engine.batch, allowed=1)
+    try:
+        client = serve_in_process(lambda: (engine, tok))
+        results = {}
+        t = threading.Thread(target=lambda: results.update(run=client.post("/v1/completions", json={
+            "prompt": ids[:30], "max_tokens": 40, "temperature": 0, "logprobs": 1})))
+        t.start()
+        held.wait_held(1)   # the first runs: its prompt was read in step 1
+        u = threading.Thread(target=lambda: results.update(bad=client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
+        u.start()
+        deadline = time.monotonic() + 60
+        while "nanoqwen_queue_depth 1.0" not in client.get("/metrics").text:
+            assert time.monotonic() < deadline and u.is_alive(), "the second request never reached the queue"
+            time.sleep(0.02)
+        held.allow(1)   # one more step, then the admission that fails the second
+        u.join(60)
+        assert not u.is_alive(), "the failed request never got its answer"
+        bad = results["bad"]
+        assert bad.status_code == 400 and "cannot use this model's tokenizer" in bad.json()["error"]["message"]
+        held.wait_held(2)
+        assert t.is_alive() and "nanoqwen_requests_running 1.0" in client.get("/metrics").text   # still beside it
+        held.free()
+        t.join(120)
+        assert not t.is_alive(), "the running request never got its answer"
+    finally:
+        held.free()
+        engine.batch = held.batch
+    assert results["run"].json()["choices"][0]["logprobs"]["tokens"] == alone(local, ids[:30], 40)[0]
     assert "nanoqwen_kv_pages{state=\"running\"} 0.0" in client.get("/metrics").text
 
 

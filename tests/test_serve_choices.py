@@ -99,20 +99,35 @@ def test_a_client_leaving_cancels_every_choice(server, stream):
         time.sleep(0.05)
 
 
+class HeldEngine(ScriptedEngine):
+    """The stand-in engine, its generation held at its start (``started``) until ``release``."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def generate(self, *args, **kw):
+        self.started.set()
+        assert self.release.wait(120), "never released"
+        yield from super().generate(*args, **kw)
+
+
 def test_choices_the_queue_cannot_take_are_all_refused(local):
-    """One slow request runs (the stand-in engine runs one at a time) and the queue holds 2: of n = 3
+    """One request runs, held (the stand-in engine runs one at a time) and the queue holds 2: of n = 3
     choices the third is refused, so the request is a 503 and its two queued choices leave the queue."""
-    engine = ScriptedEngine([300], delay_s=0.02)
+    engine = HeldEngine([300])
     client = serve_in_process(lambda: (engine, local[1]), max_queue=2)
-    slow = threading.Thread(target=client.post, args=("/v1/completions",),
-                            kwargs={"json": {"prompt": "x", "max_tokens": 100}})
+    out = {}
+    slow = threading.Thread(target=lambda: out.update(r=client.post("/v1/completions",
+                                                                    json={"prompt": "x", "max_tokens": 20})))
     slow.start()
-    deadline = time.monotonic() + 30
-    while client.worker._running != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
-    assert not client.worker._queue
-    slow.join(30)
-    assert len(engine.requests) == 1   # only the slow one ran
+    try:
+        assert engine.started.wait(60), "the first request never ran"
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert not client.worker._queue
+    finally:
+        engine.release.set()
+        slow.join(60)
+    assert out["r"].json()["usage"]["completion_tokens"] == 20
+    assert len(engine.requests) == 1   # only the held one ran

@@ -35,10 +35,10 @@ def server(tmp_path_factory):
 def test_api_key(server):
     body = {"prompt": "x", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
-    assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", timeout=60).status_code == 200
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model="small-py", prompt="x", max_tokens=1).usage.completion_tokens == 1
     with pytest.raises(openai.AuthenticationError):
@@ -47,7 +47,7 @@ def test_api_key(server):
 
 def test_body_over_the_limit_is_413(server):
     big = {"prompt": "x" * 5000, "max_tokens": 1}
-    r = httpx.post(f"{server.url}/v1/completions", json=big, headers=AUTH)
+    r = httpx.post(f"{server.url}/v1/completions", json=big, headers=AUTH, timeout=60)
     assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
 
     def chunked():   # no Content-Length: the limit is counted as the body arrives
@@ -55,10 +55,10 @@ def test_body_over_the_limit_is_413(server):
         for _ in range(10):
             yield b"y" * 1000
         yield b'", "max_tokens": 1}'
-    r = httpx.post(f"{server.url}/v1/completions", content=chunked(), headers=AUTH)
+    r = httpx.post(f"{server.url}/v1/completions", content=chunked(), headers=AUTH, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                      headers=AUTH).status_code == 200
+                      headers=AUTH, timeout=60).status_code == 200
 
 
 def test_queue_overflow_is_503_with_retry_after(server):
@@ -79,7 +79,8 @@ def test_queue_overflow_is_503_with_retry_after(server):
         while server.metric("nanoqwen_queue_depth") != 1:
             assert time.monotonic() < deadline, "the second request never queued"
             time.sleep(0.05)
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=AUTH,
+                       timeout=60)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
     t.join(60)

@@ -14,7 +14,7 @@ One engine, one prompt (uniform random token ids, seed 0), up to N greedy tokens
 and the grammar's own time inside (2): the matcher's mask (llguidance's bitmask and its application to
 the logits) and advance (consume_token) per token, timed by wrapping the request's matcher, and the
 grammar's compile per request (``start``). ms/token counts the decode steps after the first token
-(the first one is prefill's).
+(the first one is prefill's); the mask and advance per token count the same steps.
 
 Tokenizer: the model's own, or ``--tokenizer DIR`` (the server's option). The synthetic 7B stores none, and
 bench/serve.py's word-level stand-in cannot hold a grammar (llguidance needs a byte-level vocabulary), so
@@ -132,8 +132,10 @@ def requests(tok, vocab: int, prompt: list[int], gen: int):
     return plain, grammars, constrained, eog
 
 
-def timed_request(engine, prompt: list[int], gen: int, sampling, logits: bool = False, stop=frozenset()):
-    """(tokens, ms per decode step after the first token, host argmax == device token count)."""
+def timed_request(engine, prompt: list[int], gen: int, sampling, logits: bool = False, stop=frozenset(),
+                  on_first=lambda: None):
+    """(tokens, ms per decode step after the first token, host argmax == device token count); ``on_first()``
+    is called as the first token's time is taken, where the timed interval begins."""
     stamps, out, agree = [], [], 0
     it = engine.generate(prompt, gen, sampling, logits=logits)
     try:
@@ -144,6 +146,8 @@ def timed_request(engine, prompt: list[int], gen: int, sampling, logits: bool = 
             else:
                 tok = item
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                on_first()
             out.append(tok)
             if tok in stop:
                 break
@@ -200,11 +204,13 @@ def run(model: str = "7b", backend: str = "cuda", gen: int = GEN, prompt_tokens:
         runs = {name: [] for name in modes}
         for rep in range(reps + 1):   # rep 0: warm-up (graphs, first matcher), untimed
             for name, kw in modes.items():
-                before = dict(timer.seconds), dict(timer.calls)
-                out, ms, agree = timed_request(engine, prompt, gen, **kw)
-                if rep:
+                before, first = (dict(timer.seconds), dict(timer.calls)), {}
+                out, ms, agree = timed_request(engine, prompt, gen, **kw,
+                                               on_first=lambda: first.update(timer.seconds))
+                if rep:   # mask and advance from the first token on (the interval ms times); start before it
                     runs[name].append({"tokens": out, "ms": ms, "agree": agree,
-                                       "grammar": {k: timer.seconds[k] - before[0][k] for k in timer.seconds},
+                                       "grammar": {k: timer.seconds[k] - (before[0] if k == "start" else first)[k]
+                                                   for k in timer.seconds},
                                        "calls": {k: timer.calls[k] - before[1][k] for k in timer.calls}})
             log(f"rep {rep}: " + ", ".join(f"{name} {runs[name][-1]['ms']:.3f} ms/token" for name in modes)
                 if rep else "warm-up done")
@@ -219,7 +225,8 @@ def run(model: str = "7b", backend: str = "cuda", gen: int = GEN, prompt_tokens:
                      "tokenizer": tok_what, "json_schema": SCHEMA,
                      "ms_per_token": "decode steps after the first token, per request; median over repetitions",
                      "grammar": "the request's matcher wrapped: mask (llguidance bitmask + applying it) and "
-                                "advance (consume_token) summed per request, divided by its tokens",
+                                "advance (consume_token) summed over the decode steps after the first token, "
+                                "divided by their count (the interval ms_per_token times)",
                      "output": "with random weights the constrained answer is whatever the grammar lets the "
                                "argmax pick: the cost is what counts, the answer is checked (parses, validates) "
                                "only when it finished within gen_tokens"}} | report(runs, tok, eog, lltok_s, plain.greedy)
@@ -228,8 +235,8 @@ def run(model: str = "7b", backend: str = "cuda", gen: int = GEN, prompt_tokens:
 def report(runs: dict, tok, eog, lltok_s: float, device_path: bool) -> dict:
     """``device_path``: the server's plain greedy Sampling keeps the device argmax (Sampling.greedy)."""
     med = {name: statistics.median(r["ms"] for r in rs) for name, rs in runs.items()}
-    con = runs["constrained"]
-    per_tok = {k: statistics.median(1e3 * r["grammar"][k] / len(r["tokens"]) for r in con)
+    con = runs["constrained"]   # its answer has >= 2 tokens: the grammar's '{' cannot end a generation
+    per_tok = {k: statistics.median(1e3 * r["grammar"][k] / (len(r["tokens"]) - 1) for r in con)
                for k in ("mask", "bitmask", "accept")}
     grammar_ms = per_tok["mask"] + per_tok["accept"]
     return {

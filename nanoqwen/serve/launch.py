@@ -55,7 +55,7 @@ class ServerProcess:
     def metric(self, name: str, **labels) -> float:
         """One sample of /metrics (0 when the series does not exist yet)."""
         want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", timeout=60).text.splitlines():
             if line.rsplit(" ", 1)[0] == want:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
