@@ -104,3 +104,17 @@ def test_startup_errors_are_one_line(tmp_path, args, needle):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and needle.replace("BAD", str(bad)) in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_busy_port_is_one_line(tmp_path):
+    """The server binds its port before anything loads: an address in use is one error line, exit 1."""
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        env = dict(os.environ, NANOQWEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(PACKAGE_DIR.parent))
+        r = subprocess.run([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(SMALL_PY_DIR), "--backend",
+                            "reference", "--port", str(port)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr

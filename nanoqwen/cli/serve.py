@@ -6,6 +6,7 @@ run at once (serve/scheduler.py), the rest wait in order in a queue of --max-que
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from .run import add_speculate_arguments
 def add_arguments(p) -> None:
     p.add_argument("model", metavar="MODEL", help=".nanoqwen file or Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (0: a free one, which the log line says)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV cache size in tokens: the most one request may occupy (default: min(8192, the model's))")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -103,6 +104,15 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads, so the log line names the real port (0 picks a
+    free one without a window in which another process could take it) and a busy address is one line."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise NanoqwenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -138,11 +148,14 @@ def run(args) -> int:
                     step_tokens=args.step_tokens)
     app = create_app(Server(worker, metrics, name, api_key=key, max_body=args.max_body_bytes,
                             max_text=args.max_text_chars))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=False, **uvicorn_options(args.read_timeout)))
+    sock = listen(args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           **uvicorn_options(args.read_timeout)))
     worker.start()
-    _log(f"nanoqwen serve: {name} on http://{args.host}:{args.port} (loading; GET /health says 200 when ready)")
-    server.run()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    _log(f"nanoqwen serve: {name} on http://{host}:{sock.getsockname()[1]} (loading; GET /health says 200 when "
+         f"ready)")
+    server.run(sockets=[sock])
     if load_error:
         raise NanoqwenError(load_error[0])
     return 0 if server.started else 1

@@ -1,12 +1,14 @@
-"""`nanoqwen serve` as a child process, for the tests and the server benchmark: started on a free port of
-127.0.0.1, ready once /health says 200, read through /metrics, stopped with SIGTERM."""
+"""`nanoqwen serve` as a child process, for the tests and the server benchmark: started with ``--port 0`` on
+127.0.0.1 (the server binds a free port itself and names it in its first log line, so no other process can
+take the port in between), ready once /health says 200, read through /metrics, stopped with SIGTERM."""
 
 from __future__ import annotations
 
 import os
-import socket
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,33 +17,33 @@ import httpx
 from ..paths import PACKAGE_DIR
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, model: str | Path, *args: str, backend: str = "reference", log_dir: Path,
                  env: dict | None = None, timeout: float = 180):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         inherited = {k: v for k, v in os.environ.items() if k != "NANOQWEN_API_KEY"}   # a key only when given
         env = dict(inherited, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
                    **(env or {}))
-        self.log = open(Path(log_dir) / f"serve-{self.port}.log", "w+")
+        fd, path = tempfile.mkstemp(dir=log_dir, prefix="serve-", suffix=".log")
+        os.close(fd)
+        self.log = open(path, "a+")   # O_APPEND: the child's writes never land where ``output`` seeks
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model),
-                                      "--backend", backend, "--host", "127.0.0.1", "--port", str(self.port), *args],
+                                      "--backend", backend, "--host", "127.0.0.1", "--port", "0", *args],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
+        self.port = None
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nanoqwen serve exited with {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"nanoqwen serve not ready in {timeout:.0f} s:\n{self.output()}")
+            if self.port is None:
+                bound = re.search(r"^nanoqwen serve: .* on http://127\.0\.0\.1:(\d+) ", self.output(), re.M)
+                if bound:
+                    self.port = int(bound[1])
+                    self.url = f"http://127.0.0.1:{self.port}"
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if self.port is not None and httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
