@@ -16,7 +16,7 @@ from test_decoder_plan import fake_device, nqfile, reference_generation  # noqa:
 
 from nanoqwen.reference import Reference
 from nanoqwen.runtime.batch import Decoding, PagesShort, step_rows
-from nanoqwen.runtime.batchstep import BatchStep
+from nanoqwen.runtime.batchstep import BatchStep, split
 from nanoqwen.runtime.sampler import Sampling
 
 CAPACITY = 64
@@ -25,7 +25,7 @@ CAPACITY = 64
 class FakeRows:
     """The multi-row step on the fake device: row r (token r at positions[r], through its own page list
     tables[r]) computed in order as one reference decode step, its K/V stored in its pages."""
-    m = 4   # small, so that a step of several sequences needs several runs
+    m, buckets, ms = 4, [2, 4], {}   # small, so that a step of several sequences needs several runs
 
     def __init__(self, dev):
         self.dev, self.last, self.runs = dev, None, []
@@ -183,3 +183,16 @@ def test_an_item_across_the_prompts_end_is_refused(nqfile, monkeypatch):  # noqa
     seq = batch.open(PROMPTS[1], 8)
     with pytest.raises(ValueError, match="spans the prompt's end"):
         batch.step([(seq, PROMPTS[1] + [4])])
+
+
+def test_split_follows_the_measured_bucket_times():
+    """Rows cut into runs by the buckets' replay times: the H200's (results/speculate-h200-2026-12-04.json:
+    m = 16 costs more than two m = 8) give two runs of 8 for 16 rows; without times, runs of the largest."""
+    h200 = {2: 2.39, 4: 3.48, 8: 6.58, 16: 17.09}
+    assert split(16, [2, 4, 8, 16], h200) == [8, 8]
+    assert split(12, [2, 4, 8, 16], h200) == [8, 4]
+    assert split(3, [2, 4, 8, 16], h200) == [3]   # one run of 3 rows in the bucket of 4
+    assert split(5, [2, 4, 8, 16], h200) == [4, 1]
+    linear = {2: 2.0, 4: 2.1, 8: 2.2, 16: 2.3}   # a step that reads the weights once for all rows
+    assert split(16, [2, 4, 8, 16], linear) == [16] and split(9, [2, 4, 8, 16], linear) == [9]
+    assert split(9, [2, 4], {}) == [4, 4, 1] and split(4, [2, 4], {}) == [4]

@@ -33,6 +33,17 @@ from .driver import check, cu
 from .state import wait
 
 
+def split(n: int, buckets: list[int], ms: dict[int, float]) -> list[int]:
+    """Run sizes for n rows: the cut of least total time by the buckets' measured replay times ``ms`` (a run
+    of r rows costs its bucket's time); without times, runs of the largest bucket."""
+    if not ms:
+        return [min(buckets[-1], n - i) for i in range(0, n, buckets[-1])]
+    best: list[tuple[float, list[int]]] = [(0.0, [])]
+    for k in range(1, n + 1):
+        best.append(min((ms[b] + best[max(k - b, 0)][0], best[max(k - b, 0)][1] + [min(b, k)]) for b in buckets))
+    return sorted(best[n][1], reverse=True)
+
+
 @dataclass
 class Ahead:
     """A launched-ahead single-row step: ``seq``'s row at ``pos``, fed the argmax ``token`` of the step before."""
@@ -145,28 +156,25 @@ class BatchStep:
         return Rows([tok], sh.logits()[None] if seq.logits else None)
 
     def _rows(self, items: list, out: list) -> None:
-        """Decode rows of several sequences in multi-row runs of up to ``rows.m`` rows (a sequence's rows in
-        one run); ``out[i]`` gets item i's Rows."""
-        runs, cur = [], []
-        for item in items:
-            if cur and sum(len(t) for _i, _s, t in cur) + len(item[2]) > self.rows.m:
-                runs.append(cur)
-                cur = []
-            cur.append(item)
-        runs.append(cur)
-        for run in runs:
-            tokens = [t for _i, _s, toks in run for t in toks]
-            positions = [s.pos + j for _i, s, toks in run for j in range(len(toks))]
-            tables = [s.lease.pages for _i, s, toks in run for _ in toks]
-            logits = any(s.logits for _i, s, _t in run)
-            argmax = self.rows.run(tokens, positions, tables, logits=logits)
-            rows = self.rows.logits(len(tokens)) if logits else None
-            at = 0
-            for i, seq, toks in run:
-                n = len(toks)
-                out[i] = Rows(argmax[at:at + n], rows[at:at + n] if seq.logits else None)
-                seq.pos += n
-                at += n
+        """Decode rows of several sequences, in order, cut into multi-row runs of the sizes ``split`` says (a
+        sequence's rows may span two runs: the later run reads the K/V the earlier one appended, the same
+        bits); ``out[i]`` gets item i's Rows."""
+        seqs = [s for _i, s, toks in items for _ in toks]
+        tokens = [t for _i, _s, toks in items for t in toks]
+        positions = [s.pos + j for _i, s, toks in items for j in range(len(toks))]
+        argmax, logits, at = [], [], 0
+        for n in split(len(tokens), self.rows.buckets, self.rows.ms):
+            want = any(s.logits for s in seqs[at:at + n])
+            argmax += self.rows.run(tokens[at:at + n], positions[at:at + n], [s.lease.pages for s in seqs[at:at + n]],
+                                    logits=want)
+            logits += list(self.rows.logits(n)) if want else [None] * n
+            at += n
+        at = 0
+        for i, seq, toks in items:
+            n = len(toks)
+            out[i] = Rows(argmax[at:at + n], np.stack(logits[at:at + n]) if seq.logits else None)
+            seq.pos += n
+            at += n
 
     def _prompt(self, seq: Sequence, tokens: list[int]) -> Rows:
         """A prompt chunk at the sequence's position; the prompt's last chunk gives its last row's token."""

@@ -61,6 +61,7 @@ class RowStep:
         self.tables = self.host_tables.array(np.int32).reshape(m, self.table_len)
         self.sequences = {b: self._sequence(b) for b in self.buckets}
         self.graphs: dict[int, driver.Graph] = {}
+        self.ms: dict[int, float] = {}   # bucket -> its replay time (``measure``)
         self.done = driver.Event()
 
     def _sequence(self, m: int) -> list:
@@ -103,6 +104,24 @@ class RowStep:
                 with driver.capture(self.shared.stream) as g:
                     self._launch(m)
                 self.graphs[m] = g
+
+    def measure(self, reps: int = 3) -> None:
+        """Each captured bucket's replay time, the best of ``reps``, over the inputs of the last ``run`` (the
+        warm-up's): the step's cost is far from linear in its rows (m = 16 costs more than two m = 8 on the
+        H200, docs/perf-notes.md), so runtime/batchstep.py splits rows by these times."""
+        start, end, stream = driver.Event(), driver.Event(), self.shared.stream
+        try:
+            for m in self.graphs:
+                best = float("inf")
+                for _ in range(reps):
+                    start.record(stream)
+                    self.graphs[m].launch(stream)
+                    end.record(stream)
+                    best = min(best, driver.Event.elapsed_ms(start, end))
+                self.ms[m] = best
+        finally:
+            start.close()
+            end.close()
 
     def run(self, tokens: list[int], positions: list[int], tables: list | None = None,
             logits: bool = False) -> list[int]:

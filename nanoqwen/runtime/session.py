@@ -112,6 +112,7 @@ class CudaSession:
             self.decoder.capture()
             if self.rows is not None:
                 self.rows.capture()
+                self.rows.measure()
             if self.prefiller is not None:
                 self.prefiller.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
