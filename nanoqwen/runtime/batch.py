@@ -44,7 +44,7 @@ class Rows:
     kernels' tie rule); ``logits``: fp32 ``[rows, vocab]``, given at least where the sequence asked for
     them (``Sequence.logits``), else None. A prompt chunk's rows: at least its last one (only the last prompt
     row chooses a token) and nothing before the prompt's last chunk; an engine with ``prompt_logits``
-    gives every row."""
+    gives every row of a sequence with ``prompt_logits``."""
     argmax: list[int]
     logits: np.ndarray | None = None
 
@@ -57,6 +57,7 @@ class Sequence:
     total: int         # the positions it may occupy (``open``'s)
     pos: int = 0       # the next position written: positions [0, pos) hold valid K/V
     logits: bool = False   # whether steps return its rows' logits (host sampling, logprobs)
+    prompt_logits: bool = False   # whether they return every prompt row's too (echo's prompt logprobs)
 
     def __post_init__(self):
         self.pos = self.lease.reused

@@ -182,6 +182,8 @@ class BatchStep:
         p1 = p0 + len(tokens)
         last = p1 == seq.prompt
         self._load(seq)
+        if seq.prompt_logits:
+            return self._scored(seq, tokens)
         if last or run.prefiller is None:
             run.prefill(tokens, p0, read_token=last, read_logits=last and seq.logits)
         else:
@@ -190,6 +192,22 @@ class BatchStep:
             seq.pos = p1
             return Rows([])
         return self._collect(seq, p1 - 1)
+
+    def _scored(self, seq: Sequence, tokens: list[int]) -> Rows:
+        """A prompt chunk with every row's logits (echo): prefilled in pieces the prefill's buffers hold,
+        each piece's final rows through the multi-row lm_head (the last row's bits are the single-row
+        head's, which a request alone chooses its first token by)."""
+        pre, step, row = self.runner.prefiller, self.rows.m, 4 * self.shared.dims.hidden
+        argmax, logits = [], []
+        for c0 in range(0, len(tokens), pre.chunk_tokens):
+            piece = tokens[c0:c0 + pre.chunk_tokens]
+            h0 = pre(piece, seq.pos) - (len(piece) - 1) * row   # the piece's rows, from its first
+            for r0 in range(0, len(piece), step):
+                a, z = self.rows.head(h0 + r0 * row, min(step, len(piece) - r0))
+                argmax += a
+                logits.append(z)
+            seq.pos += len(piece)
+        return Rows(argmax, np.concatenate(logits))
 
     # ---- the sticky error flags ----------------------------------------------------------------------------
 

@@ -140,6 +140,25 @@ class RowStep:
         wait(self.done, f"multi-row step of {n} rows")
         return self.rows_out[:n].tolist()
 
+    def head(self, h: int, n: int) -> tuple[list[int], np.ndarray]:
+        """(argmax, fp32 logits) of n fp32 residual rows at device address ``h`` (a prefill chunk's final rows)
+        through this step's lm_head, each row bitwise the single-row head's (its row invariance): the rows
+        are copied into the step's own rows (the last repeated into the bucket's padding), then its lm_head
+        kernel runs alone; waits for them."""
+        m, s, row = self.bucket(n), self.shared.stream.handle, 4 * self.shared.dims.hidden
+        check(cu.cuMemcpyDtoDAsync(self.bufs.h.ptr, h, n * row, s), "head rows")
+        for r in range(n, m):
+            check(cu.cuMemcpyDtoDAsync(self.bufs.h.ptr + r * row, h + (n - 1) * row, row, s), "head padding")
+        role, fn, launch, args = self.sequences[m][-1]
+        assert role == "lm_head", role
+        fn.launch(launch, self.shared.stream, self.pdl, **args)
+        check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * n, s), "head argmax")
+        check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab, s),
+              "head logits")
+        self.done.record(self.shared.stream)
+        wait(self.done, f"lm_head of {n} rows")
+        return self.rows_out[:n].tolist(), self.logits(n)
+
     def logits(self, n: int) -> np.ndarray:
         """A copy of the first n rows' logits of the last ``run(..., logits=True)``."""
         return self.host_logits.array(np.float32)[:n * self.shared.dims.vocab].reshape(n, -1).copy()

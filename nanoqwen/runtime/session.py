@@ -108,6 +108,8 @@ class CudaSession:
         self.runner.cache.clear()
         self.runner.speculate = speculate   # after the warm-up: that one request decodes plainly
         self.batch = BatchStep(self.runner)   # the server's several sequences at once (runtime/batch.py)
+        # every prompt row's logits (echo): the prefill's final rows through the multi-row lm_head
+        self.prompt_logits = self.prefiller is not None and self.rows is not None
         if not eager:
             self.decoder.capture()
             if self.rows is not None:

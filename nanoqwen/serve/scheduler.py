@@ -170,6 +170,7 @@ class Scheduler:
                 seq = self.batch.open(job.prompt, len(job.prompt) + max(job.max_tokens, 1) - 1)
                 if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a
                     seq.lease.reused = seq.pos = 0     # reused prefix (its K/V rows come out bitwise the same)
+                    seq.prompt_logits = True
                 logits = job.top_logprobs is not None or job.prompt_logprobs is not None
                 decoding = Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling, self.engine.speculate,
                                     logits, self.batch.max_rows)
