@@ -29,11 +29,8 @@ CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
-def session(packed):
-    from nanoqwen.runtime.session import CudaSession
-    s = CudaSession(packed("small-py"), CONTEXT, kv_tokens=12 * CONTEXT, log=lambda m: print(m, file=sys.stderr))
-    yield s
-    s.close()
+def session(sessions):
+    return sessions("small-py", context=CONTEXT, kv_tokens=12 * CONTEXT)
 
 
 def alone(session, prompt, n):
