@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from nanoqwen import testmodels, tokenizer  # noqa: E402
-from nanoqwen.runtime.batch import PagesShort, Rows, Sequence  # noqa: E402
-from nanoqwen.runtime.prefix_cache import PrefixCache  # noqa: E402
+from nanoqwen import testmodels, tokenizer
+from nanoqwen.runtime.batch import PagesShort, Rows, Sequence
+from nanoqwen.runtime.prefix_cache import PrefixCache
 
 
 class Instant:
@@ -66,10 +66,12 @@ class Engine:
         self.dims = dataclasses.replace(dims, max_positions=context, vocab=2048)
 
 
-def serve(port: int, streams: int, context: int, step_s: float) -> None:
-    """The app over the stand-in engine on 127.0.0.1:``port`` (uvicorn, as ``nanoqwen serve`` runs it), with
-    one route more: GET /stand-in, its steps and their summed waits."""
+def serve(streams: int, context: int, step_s: float) -> None:
+    """The app over the stand-in engine on a free port of 127.0.0.1 (bound first and printed on stdout, as
+    ``nanoqwen serve --port 0`` does; uvicorn), with one route more: GET /stand-in, its steps and their
+    summed waits."""
     import uvicorn
+    from nanoqwen.cli.serve import listen
     from nanoqwen.serve.app import Server, create_app
     from nanoqwen.serve.metrics import Metrics
     from nanoqwen.serve.worker import Worker
@@ -80,7 +82,9 @@ def serve(port: int, streams: int, context: int, step_s: float) -> None:
     worker.start()
     app = create_app(Server(worker, metrics, "m"))
     app.get("/stand-in")(lambda: {"steps": engine.batch.steps, "waited_s": engine.batch.waited})
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    sock = listen("127.0.0.1", 0)
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 def measure(streams: int, tokens: int, step_ms: float) -> dict:
@@ -88,12 +92,10 @@ def measure(streams: int, tokens: int, step_ms: float) -> dict:
     stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
     import subprocess
     import httpx
-    from nanoqwen.serve.launch import free_port
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--streams", str(streams),
-                             "--tokens", str(tokens), "--step-ms", str(step_ms)])
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
+                             "--tokens", str(tokens), "--step-ms", str(step_ms)], stdout=subprocess.PIPE, text=True)
     try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -144,10 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=1.7, help="the stand-in step's wait (the 7B's decode step)")
     p.add_argument("--json", type=Path)
-    p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)   # the stand-in server's side
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the stand-in server's side
     args = p.parse_args(argv)
     if args.serve:
-        serve(args.serve, max(args.streams), 4 * args.tokens, args.step_ms / 1e3)
+        serve(max(args.streams), 4 * args.tokens, args.step_ms / 1e3)
         return 0
     rows = [measure(n, args.tokens, args.step_ms) for n in args.streams]
     for r in rows:
