@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from nanoqwen import config, testmodels
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
+from nanoqwen.runtime import batchstep as batchstep_mod
 from nanoqwen.runtime import chunk_graphs as chunk_graphs_mod
 from nanoqwen.runtime import decoder as decoder_mod
 from nanoqwen.runtime import memory as memory_mod
@@ -172,11 +173,11 @@ class FakeKV:
         self.k = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.v = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.page_table = FakeBuf(layout.table_bytes)
-        self.pages = []
+        self.pages, self.loaded = [], None
 
     def load(self, pages, stream):
         assert len(pages) <= self.layout.table_len
-        self.pages = list(pages)
+        self.pages, self.loaded = list(pages), pages
 
     def free(self):
         pass
@@ -199,9 +200,9 @@ def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambd
     spec)`` makes each kernel."""
     cfg = config.default()
     d = nqfile.dims
-    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
+    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod, batchstep_mod):
         monkeypatch.setattr(mod, "driver", FakeDriver)
-    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
+    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod, batchstep_mod):
         monkeypatch.setattr(mod, "cu", FakeCu)
     specs = decoder_mod.step_specs(d, cfg) | (prefill_mod.prefill_specs(d, cfg) if chunk else {})
     kernels = {role: (spec, fn(role, spec)) for role, spec in specs.items()}

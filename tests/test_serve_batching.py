@@ -25,7 +25,7 @@ from nanoqwen.serve.jobs import top_logprobs
 STEP_TOKENS = 16   # small, so that prompts are read in many chunks between the running streams' steps
 
 
-model, local = model_fixtures("batching")
+model, local, backend = model_fixtures("batching")
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ LEAVE = {2: 3, 7: 1, 11: 0, 13: 5}   # client -> chunks read before it disconnec
 
 
 @pytest.fixture(scope="module")
-def server(model):
+def server(model, backend):
     s = start_server(model[0], "--max-running", "8", "--step-tokens", str(STEP_TOKENS), "--kv-tokens", "65536",
-                     cache_dir=model[1])
+                     backend=backend, cache_dir=model[1])
     yield s
     s.close()
 
@@ -159,9 +159,9 @@ def test_seeded_sampling_and_penalties_are_per_request(server, ids):
 
 # ---- speculative requests beside plain ones -------------------------------------------------------------
 
-def test_speculative_streams_beside_others_are_plain_greedy(model, local, ids):
+def test_speculative_streams_beside_others_are_plain_greedy(model, backend, local, ids):
     s = start_server(model[0], "--speculate", "lookup", "--max-running", "4", "--step-tokens", "32",
-                     cache_dir=model[1])
+                     backend=backend, cache_dir=model[1])
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
         prompts = [ids[:200], ids[60:120], ids[300:460], ids[20:30], ids[200:380], ids[500:540]]
@@ -221,12 +221,12 @@ def answer(r) -> tuple[list[str], list[float], str]:
     return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["finish_reason"]
 
 
-def test_a_sequence_short_of_pages_waits_and_others_run(model, local, ids):
+def test_a_sequence_short_of_pages_waits_and_others_run(model, backend, local, ids):
     """A pool of 256 tokens (16 pages) holds one 200-position sequence: a second one waits at the head of the
     queue while rows are free (running 1, waiting 1) instead of failing either, then runs once the first
     has ended; both are exactly what they give alone. The steps are held so that the scheduler's admission
     of the second is read while the first still runs."""
-    engine, tok, _ = open_local(*model, context=256)   # its KV pool holds `context` tokens
+    engine, tok, _ = open_local(*model, backend=backend, context=256)   # its KV pool holds `context` tokens
     held = engine.batch = HeldSteps(engine.batch, allowed=1)
     try:
         client = serve_in_process(lambda: (engine, tok))

@@ -14,6 +14,8 @@
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
 #                      the GPU machine lacks: wheels in .whl/ (tools/fetch_wheels.sh; git-ignored, named in
 #                      carry) are installed first
+#   GPU_CHECK_CONCURRENCY 1 runs the server's concurrency table (1..16 streaming clients at once, TTFT while 7
+#                      decode; concurrency.json; needs the wheels as GPU_CHECK_SERVE)
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
@@ -85,6 +87,8 @@ fi
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
+[ "${GPU_CHECK_CONCURRENCY:-0}" = 1 ] && stage concurrency 540 $PY -m nanoqwen.bench.serve --concurrency \
+    --json "$OUT/concurrency.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
