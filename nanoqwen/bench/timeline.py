@@ -1,8 +1,9 @@
 """Timeline of one decode step measured INSIDE the replayed graph: every kernel of the step in its timed
 variant (codegen/probe.py) stamps %globaltimer at its start (first CTA in), after its PDL wait (first CTA
 past griddepcontrol.wait) and at its end (last warp out) into a probe table; the timed step is captured
-as one graph (the table's zeroing memset is its first node) and replayed ``reps`` times at a fixed decode
-state, the table read back after each replay.
+as one graph of the same kernels and replayed ``reps`` times at a fixed decode state, the table zeroed
+(a memset on the stream, just before each replay: the graph itself holds only kernels, so the first
+kernel's PDL launch follows nothing but the previous work, as untimed) and read back after each replay.
 
 Per replay, offsets are relative to the step's first start; per launch: ``busy`` = end - start (its whole
 residency, including the PDL prologue it overlaps with its predecessor), ``own`` = the part of [start, end]
@@ -111,6 +112,7 @@ def probe_stamps(timed, token: int, pos: int, reps: int) -> np.ndarray:
     out = np.empty((reps, n * probe.SLOTS), np.uint64)
     for r in range(reps):
         timed.reset(token, pos=pos, step=pos)
+        timed.probe.memset_u32(0, timed.stream)   # arms every slot (probe.py), in stream order before the replay
         timed.graph.launch(timed.stream)
         timed.drain()   # the table is read after the replay finished (with a timeout: a hang is an error)
         timed.probe.download(out[r])

@@ -18,8 +18,8 @@ Dependent Launch, so each one streams its weights while its predecessor drains.
 nothing here waits for the GPU. The request loop around it is runtime/runner.py.
 
 A Decoder over timed kernels (codegen/probe.py; bench/timeline.py builds one) also owns a probe table:
-launch i gets slots i as its ``probe`` argument, and every step (eager or replayed) first zeroes the table,
-which arms it (the memset is a node of the captured graph)."""
+launch i gets slots i as its ``probe`` argument. Zeroing the table (which arms it) is the caller's, before
+each step: it stays out of the graph, so the graph holds only the step's kernels, exactly as untimed."""
 
 from __future__ import annotations
 
@@ -125,8 +125,6 @@ class Decoder:
     def launch_kernels(self, stream=None) -> None:
         """One step, kernel by kernel (eager mode, and what the graph captures)."""
         stream = stream or self.stream
-        if self.probe is not None:
-            self.probe.memset_u32(0, stream)
         for role, fn, launch, args in self.sequence:
             fn.launch(launch, stream, self.pdl, **args)
 
