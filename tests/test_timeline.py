@@ -1,7 +1,7 @@
 """The decode-step timeline without a GPU: the timed kernel variants (codegen/probe.py) render with the
 probe in every decode-step kernel and compile for sm_90a with NVRTC; untimed kernels are exactly what
 they were before the ``timed`` field existed (source, spec repr, URI, cache key); the timeline arithmetic
-of bench/timeline.py on hand-made stamps; the chart renders."""
+of bench/timeline.py on hand-made stamps and measure() on a simulated device; the chart renders."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from nanoqwen.codegen.spec import PROBE_PARAM, SpecError
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime.decoder import step_specs
 from nanoqwen.testmodels import tiny_dims
+from tests.test_bench import ROLE_US, FakeClock, FakeDecoder, FakeFn, FakeGraph, fake_driver, fake_result  # noqa: F401
 
 # every kernel of the 7B's decode step (m = 1, and the multi-row step's buckets) and the test model's
 STEPS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
@@ -184,7 +185,6 @@ def test_chart_and_table_lines(tmp_path):
 
 
 def test_bench_table_and_chart_use_the_timeline(tmp_path):
-    from tests.test_bench import fake_result
     res = fake_result()
     assert "in-graph %globaltimer stamps" not in protocol.table(res)
     res["timeline"] = _fake_timeline()
@@ -192,3 +192,67 @@ def test_bench_table_and_chart_use_the_timeline(tmp_path):
     assert "in-graph %globaltimer stamps" in text and "not idle time: see the timeline" in text
     msg = protocol.plot(res, tmp_path / "itl.png")   # the region chart with the in-graph kernel_gap bar
     assert msg.startswith("wrote") or "matplotlib is not installed" in msg
+
+
+# ---- measure()'s glue on a simulated device ---------------------------------------------------------------
+
+
+class StampingFn(FakeFn):
+    """A timed kernel on the simulated clock: it runs ROLE_US, waits a quarter of it, and stamps its slots."""
+
+    def __init__(self, role, table):
+        super().__init__(role)
+        self.table = table
+
+    def launch(self, launch, stream, pdl, **args):
+        t0 = int(FakeClock.t * 1e9)
+        super().launch(launch, stream, pdl, **args)
+        t1 = int(FakeClock.t * 1e9)
+        slot = self.table.mem[args["probe"] * probe.SLOTS:]
+        slot[:3] = np.maximum(slot[:3], [~np.uint64(t0), ~np.uint64(t0 + (t1 - t0) // 4), np.uint64(t1)])
+
+
+class FakeTable:
+    def __init__(self, n):
+        self.mem = np.full(n * probe.SLOTS, 2**64 - 1, np.uint64)   # stale: read unzeroed, every start is 0
+
+    def memset_u32(self, value, stream=None):
+        self.mem[:] = value
+
+    def download(self, out):
+        out[:] = self.mem
+        return out
+
+
+class FakeTimedDecoder(FakeDecoder):
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.probe = FakeTable(len(self.sequence))
+        self.sequence = [(r, StampingFn(r, self.probe), launch, {"probe": i})
+                         for i, (r, _fn, launch, _a) in enumerate(self.sequence)]
+        self.graph, self.captured, self.closed = None, False, False
+
+    def capture(self):
+        self.graph, self.captured = FakeGraph(self), True
+
+    def close(self):
+        self.closed = True
+
+
+def test_measure_reports_the_simulated_step(fake_driver, monkeypatch):
+    layers = 2
+    dec, timed = FakeDecoder(layers), FakeTimedDecoder(layers)
+    monkeypatch.setattr(timeline, "timed_decoder", lambda d, cfg=None: timed)
+    FakeClock.t = 1.0
+    tl = timeline.measure(dec, context=100, reps=3, token=5)
+    assert timed.captured and timed.closed and set(timed.resets) == {(5, 99, 99)}
+    roles = [r for r, *_ in dec.sequence]
+    assert [k["role"] for k in tl["kernels"]] == roles and tl["context"] == 100 and tl["reps"] == 3
+    want = np.cumsum([0] + [ROLE_US[r] for r in roles])   # back to back on the simulated clock
+    assert [k["start_us"] for k in tl["kernels"]] == pytest.approx(want[:-1])
+    assert [k["end_us"] for k in tl["kernels"]] == pytest.approx(want[1:])
+    assert [k["wait_us"] - k["start_us"] for k in tl["kernels"]] == pytest.approx([ROLE_US[r] / 4 for r in roles], abs=1e-3)
+    assert tl["span_us"] == pytest.approx(want[-1]) and tl["kernel_gap_us"] == 0 and tl["overlap_us"] == 0
+    assert tl["graph_step_us"] == pytest.approx(want[-1] - 5) == tl["timed_graph_step_us"]   # FakeGraph: -5 us
+    assert tl["probe_overhead_us"] == 0 and tl["unseen_us"] == pytest.approx(-5)
+    assert tl["kernels"][1]["uri"] == "qkv_kernel_abcd1234" and tl["kernels"][1]["grid"] == [132, 1, 1]
