@@ -156,7 +156,7 @@ class KernelSpec:
 
     def context(self) -> dict:
         """Template variables: every field, plus ``entry`` (the extern "C" name), ``spec_repr`` and
-        ``params`` (the C++ parameter list generated from ``kernel_params``)."""
+        ``params`` (the C++ parameter list generated from ``all_params``) and the probe hooks (probe.hooks)."""
         ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         ctx.update(entry=self.entry, spec_repr=self.spec_repr, params=cpp_params(self.all_params),
                    **probe.hooks(self.timed))
@@ -168,7 +168,8 @@ class KernelSpec:
     # ---- derived names -------------------------------------------------------------------------------
     @property
     def spec_repr(self) -> str:
-        """Canonical text of the spec (family, template, every field in declaration order): hashed into
+        """Canonical text of the spec (family, template, every field in declaration order; ``timed`` only
+        when True): hashed into
         the URI and embedded in the generated source."""
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                            if f.name != "timed" or self.timed)
