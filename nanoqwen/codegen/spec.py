@@ -169,8 +169,7 @@ class KernelSpec:
     @property
     def spec_repr(self) -> str:
         """Canonical text of the spec (family, template, every field in declaration order; ``timed`` only
-        when True): hashed into
-        the URI and embedded in the generated source."""
+        when True): hashed into the URI and embedded in the generated source."""
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                            if f.name != "timed" or self.timed)
         return f"{self.family}[{self.template}]({fields})"
