@@ -11,6 +11,7 @@ compute each row with the same arithmetic (a reused prefix holds the cold run's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -241,6 +242,30 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     assert qkv[1]["w0"] == w.ptr("L1.qkv.packed") and qkv[1]["bias"] == w.ptr("L1.qkv.bias")
     gu = [a for r, _, _, a in dec.sequence if r == "gate_up"][0]
     assert (gu["w0"], gu["w1"]) == (w.ptr("L0.gate.packed"), w.ptr("L0.up.packed"))
+
+
+def test_timed_decoder_gives_each_launch_its_probe_slots(nqfile, monkeypatch):
+    """The timeline's Decoder (bench/timeline.py): the same launch list over the session decoder's buffers,
+    each launch's ``probe`` its own 3 slots of one table, in launch order."""
+    run = fake_runner(nqfile, monkeypatch)
+    seen = []
+
+    class Recorder(FakeFn):
+        def launch(self, launch, stream, pdl, **args):
+            seen.append(args["probe"])
+
+    kernels = {role: (dataclasses.replace(spec, timed=True), Recorder(spec))
+               for role, (spec, _fn) in run.decoder.kernels.items()}
+    timed = decoder_mod.Decoder(run.shared, kernels, bufs=run.decoder.bufs)
+    n = len(timed.sequence)
+    assert run.decoder.probe is None and timed.bufs is run.decoder.bufs and timed.probe.nbytes == 24 * n
+    assert [args["probe"] for *_rest, args in timed.sequence] == [timed.probe.ptr + 24 * i for i in range(n)]
+    for role, _fn, _launch, args in timed.sequence:
+        assert set(args) == {name for name, _ in kernels[role][0].signature}, role
+    timed.launch_kernels()
+    assert seen == [timed.probe.ptr + 24 * i for i in range(n)]
+    with pytest.raises(ValueError, match="all timed or all untimed"):
+        decoder_mod.Decoder(run.shared, {**kernels, "embed": run.decoder.kernels["embed"]}, bufs=run.decoder.bufs)
 
 
 def test_memory_table_is_what_the_parts_allocate(nqfile, monkeypatch):
