@@ -106,12 +106,14 @@ class RowStep:
                 self.graphs[m] = g
 
     def measure(self, reps: int = 3) -> None:
-        """Each captured bucket's replay time, the best of ``reps``, over the inputs of the last ``run`` (the
-        warm-up's): the step's cost is far from linear in its rows (m = 16 costs more than two m = 8 on the
-        H200, docs/perf-notes.md), so runtime/batchstep.py splits rows by these times."""
+        """Each captured bucket's replay time, the best of ``reps``, over the warm-up's inputs (m rows at
+        positions 0..m-1 of the loaded page table): the step's cost is far from linear in its rows (m = 16
+        costs more than two m = 8 on the H200, docs/perf-notes.md), so runtime/batchstep.py splits rows by
+        these times. Each bucket gets its own inputs: the table offsets' place in them depends on m."""
         start, end, stream = driver.Event(), driver.Event(), self.shared.stream
         try:
             for m in self.graphs:
+                self.load([0] * m, list(range(m)))
                 best = float("inf")
                 for _ in range(reps):
                     start.record(stream)
