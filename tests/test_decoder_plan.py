@@ -246,17 +246,28 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
 
 def test_timed_decoder_gives_each_launch_its_probe_slots(nqfile, monkeypatch):
     """The timeline's Decoder (bench/timeline.py): the same launch list over the session decoder's buffers,
-    each launch's ``probe`` its own 3 slots of one table, in launch order."""
-    run = fake_runner(nqfile, monkeypatch)
+    each launch's ``probe`` its own 3 slots of one table, in launch order; only the step's kernels are
+    timed (a session's decoder also holds the prefill's GEMMs, which have no probe hooks)."""
+    from nanoqwen import codegen
+    from nanoqwen.bench import timeline
+    from nanoqwen.runtime import driver
+    run = fake_runner(nqfile, monkeypatch, chunk=32)
     seen = []
 
     class Recorder(FakeFn):
         def launch(self, launch, stream, pdl, **args):
             seen.append(args["probe"])
 
-    kernels = {role: (dataclasses.replace(spec, timed=True), Recorder(spec))
-               for role, (spec, _fn) in run.decoder.kernels.items()}
-    timed = decoder_mod.Decoder(run.shared, kernels, bufs=run.decoder.bufs)
+    def build_many(specs, progress=None, cfg=None):
+        specs = list(specs)
+        for spec in specs:
+            spec.validate()
+        return specs
+    monkeypatch.setattr(codegen, "build_many", build_many)
+    monkeypatch.setattr(driver, "load", Recorder)
+    timed = timeline.timed_decoder(run.decoder)
+    kernels = timed.kernels
+    assert set(kernels) == {role for role, *_ in run.decoder.sequence} < set(run.decoder.kernels)
     n = len(timed.sequence)
     assert run.decoder.probe is None and timed.bufs is run.decoder.bufs and timed.probe.nbytes == 24 * n
     assert [args["probe"] for *_rest, args in timed.sequence] == [timed.probe.ptr + 24 * i for i in range(n)]

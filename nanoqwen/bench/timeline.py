@@ -100,7 +100,8 @@ def timed_decoder(dec, cfg: config.Config | None = None):
     from ..runtime import driver
     from ..runtime.decoder import Decoder
     cfg = cfg or config.default()
-    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in dec.kernels.items()}
+    used = {role for role, *_ in dec.sequence}   # a session's decoder holds the prefill's kernels too
+    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in dec.kernels.items() if role in used}
     built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
     kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
     return Decoder(dec.shared, kernels, pdl=dec.pdl, bufs=dec.bufs)
