@@ -132,6 +132,17 @@ class ScriptedEngine:
                 yield tok
 
 
+def in_worker(engine, tok, backend: str):
+    """serve_in_process's ``load`` for an engine opened in this thread: a CUDA engine's context is made
+    current in the worker thread that runs it (``nanoqwen serve`` opens its engine there)."""
+    def load():
+        if backend == "cuda":
+            from nanoqwen.runtime import driver
+            driver.device().make_current()
+        return engine, tok
+    return load
+
+
 def serve_in_process(load, model_id: str = "m", **worker_kw):
     """The app with a worker over ``load()`` -> (engine, tokenizer), in this process; ready on return
     (``client.worker`` is the worker; ``worker_kw`` go to it)."""

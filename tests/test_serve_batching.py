@@ -3,7 +3,9 @@
 each of them (a function of its whole logits row), must be bitwise what the same engine gives the request
 alone, whatever ran beside it: mixed prompt lengths read in chunks between decode steps, mixed max_tokens,
 clients that leave mid-stream, speculative requests, a sequence that waits for pages. The reference's step
-computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. Where a
+computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. No prompt
+extends another prompt sent to the same server (each starts at its own offset of the text): on the CUDA
+engine a prompt position reused from the prefix cache is a cold prefill's bits, a generated one is not. Where a
 test needs two requests side by side at a given moment (a page wait, a failed admission), the app runs in
 process and the test holds the engine thread between steps (HeldSteps) rather than racing it."""
 
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import model_fixtures, open_local, serve_in_process, server as start_server
+from _serve_util import in_worker, model_fixtures, open_local, serve_in_process, server as start_server
 from _texts import code_text
 from nanoqwen.runtime.sampler import Sampling
 from nanoqwen.serve.jobs import top_logprobs
@@ -35,8 +37,10 @@ def ids(local):
 
 
 def alone(local, prompt: list[int], max_tokens: int) -> tuple[list[str], list[float], str]:
-    """(token texts, their logprobs, finish reason) of a greedy request run alone in this process."""
+    """(token texts, their logprobs, finish reason) of a greedy request run alone and cold in this process
+    (its prefix cache emptied first: a reused generated position is not a prefill's bits on the GPU)."""
     engine, tok, stop = local
+    (engine.runner.cache if hasattr(engine, "runner") else engine.cache).clear()
     texts, lps, finish = [], [], "length"
     for t, row in engine.generate(prompt, max_tokens, Sampling(), logits=True):
         if t in stop:
@@ -147,7 +151,9 @@ def test_seeded_sampling_and_penalties_are_per_request(server, ids):
     fields = [dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
               dict(temperature=0, frequency_penalty=1.5), dict(temperature=1.2, presence_penalty=0.5, seed=3),
               dict(temperature=0)]
-    prompts = [ids[100 + 11 * i:130 + 19 * i] for i in range(len(fields))]
+    # starts no other prompt of the module's server shares: on the GPU a request that extends an earlier
+    # one's prompt reuses its generated positions, whose K/V the decode step computed (class (b))
+    prompts = [ids[2000 + 11 * i:2030 + 19 * i] for i in range(len(fields))]
 
     def ask(i):
         return stream(client, prompts[i], 12, **fields[i])
@@ -229,7 +235,7 @@ def test_a_sequence_short_of_pages_waits_and_others_run(model, backend, local, i
     engine, tok, _ = open_local(*model, backend=backend, context=256)   # its KV pool holds `context` tokens
     held = engine.batch = HeldSteps(engine.batch, allowed=1)
     try:
-        client = serve_in_process(lambda: (engine, tok))
+        client = serve_in_process(in_worker(engine, tok, backend))
         big, waiter, got = ids[:100], ids[400:500], {}
 
         def ask(name, prompt):

@@ -25,7 +25,7 @@ from nanoqwen.runtime.sampler import Sampling
 
 pytestmark = pytest.mark.gpu
 
-CONTEXT = 512
+CONTEXT = 1024   # the echo test prefills 700 positions: more than one 512-row chunk
 
 
 @pytest.fixture(scope="module")
