@@ -10,7 +10,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 # Data folder -> the files of it that ship (tuner progress and user results live under the cache root).
-DATA = {"templates": ("*.cu.j2", "*.cuh"), "config": ("*.yaml",), "tune": ("*.yaml", "*.json")}
+DATA = {"templates": ("*.cu.j2", "*.cuh", "*.cu.inc"), "config": ("*.yaml",), "tune": ("*.yaml", "*.json")}
 
 
 class BuildPyWithData(build_py):

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from . import NanoqwenError
-from .runtime.batch import Decoding, PagesShort, Sequence
+import numpy as np
+
+from .runtime.batch import Decoding, PagesShort, Rows, Sequence
 from .runtime.drafters import DraftModel, SpeculateError, Speculation
 from .runtime.generate import check_request
 from .runtime.prefix_cache import PrefixCache
@@ -36,6 +38,8 @@ class ReferenceBatch:
     row as one decode step (``Reference.extend``), so nothing beside a row can change its bits. The pages
     of ``cache`` are the accounting; a kept sequence's K/V rows travel as its payload."""
 
+    max_rows = None   # a verify of any length is one ``extend``
+
     def __init__(self, cache: PrefixCache, ref):
         self.cache, self.ref = cache, ref
 
@@ -46,13 +50,15 @@ class ReferenceBatch:
         state = self.ref.sequence(total)
         if lease.reused:
             state.resume(*([rows[:lease.reused] for rows in kv] for kv in lease.payload))
-        return Sequence(lease, state)
+        return Sequence(lease, state, len(prompt), total)
 
-    def step(self, work: list) -> list:
+    def step(self, work: list) -> list[Rows]:
+        """Every row's logits, whether asked for or not: they are computed anyway."""
         out = []
         for seq, tokens in work:
             seq.state.pos = seq.pos
-            out.append(seq.state.extend(tokens))
+            logits = seq.state.extend(tokens)
+            out.append(Rows([int(np.argmax(row)) for row in logits], logits))
             seq.pos = seq.state.pos
         return out
 
@@ -125,7 +131,7 @@ class ReferenceEngine:
         with self.cache.alone():
             seq = self.batch.open(prompt, len(prompt) + max_new_tokens - 1)
             self.cached_tokens = seq.reused
-            d = Decoding(seq, prompt, max_new_tokens, sampling, self.speculate)
+            d = Decoding(seq, prompt, max_new_tokens, sampling, self.speculate, logits=logits)
             self.spec = d.spec
             try:
                 while not d.done:

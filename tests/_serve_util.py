@@ -48,8 +48,10 @@ def model_and_cache(tmp_path_factory, name: str) -> tuple[Path, Path]:
 
 
 def model_fixtures(name: str):
-    """(model, local) module fixtures: the small model packed under ``name`` (model_and_cache) and an engine
-    of it in this process, (engine, tokenizer, stop ids). In a test module: ``model, local = model_fixtures(..)``."""
+    """(model, local, backend) module fixtures: the small model packed under ``name`` (model_and_cache), an
+    engine of it in this process, (engine, tokenizer, stop ids), and its backend ("reference"; a GPU module
+    that imports the tests redefines ``backend``). In a test module:
+    ``model, local, backend = model_fixtures(..)``."""
     import pytest
 
     @pytest.fixture(scope="module")
@@ -57,12 +59,16 @@ def model_fixtures(name: str):
         return model_and_cache(tmp_path_factory, name)
 
     @pytest.fixture(scope="module")
-    def local(model):
-        engine, tok, stop = open_local(*model)
+    def backend():
+        return "reference"
+
+    @pytest.fixture(scope="module")
+    def local(model, backend):
+        engine, tok, stop = open_local(*model, backend=backend)
         yield engine, tok, stop
         engine.close()
 
-    return model, local
+    return model, local, backend
 
 
 def server(model: Path, *args: str, backend: str = "reference", cache_dir: Path) -> ServerProcess:
@@ -124,6 +130,17 @@ class ScriptedEngine:
                 yield tok, row
             else:
                 yield tok
+
+
+def in_worker(engine, tok, backend: str):
+    """serve_in_process's ``load`` for an engine opened in this thread: a CUDA engine's context is made
+    current in the worker thread that runs it (``nanoqwen serve`` opens its engine there)."""
+    def load():
+        if backend == "cuda":
+            from nanoqwen.runtime import driver
+            driver.device().make_current()
+        return engine, tok
+    return load
 
 
 def serve_in_process(load, model_id: str = "m", **worker_kw):

@@ -112,7 +112,7 @@ def fake_result(synthetic: bool = True) -> dict:
                        "ms_per_token": {"p50": 1.6, "p90": 1.7, "mean": 1.62, "min": 1.5, "max": 1.9, "n": 640}},
            "itl": {"context": P + G // 2, "reps": 20, "gated": True, "gate_timed_out": False,
                    "regions_ms": regions, "regions_sum_ms": total, "eager_step_ms": total * 1.05,
-                   "eager_step_ms_min": total, "graph_step_ms": total * 1.1, "kernel_gap_ms": total * 0.1,
+                   "eager_step_ms_min": total, "graph_step_ms": total * 1.1, "graph_minus_regions_ms": total * 0.1,
                    "launches": 198},
            "copy": {"GBps": 4220.0}}
     res["mbu"] = protocol.mbu_report(D, None, res)
@@ -139,7 +139,7 @@ def test_table_is_llama_bench_like_and_labels_synthetic():
     assert "pp512" in pp and "tg128 @ d512" in tg and "±" in pp and "GiB" in pp and "7.62 B" in pp
     assert f"{res['tests'][0]['avg_ts']:.2f} ± {res['tests'][0]['stddev_ts']:.2f}" in pp
     assert "synthetic" in text and "TTFT 55.0 ms" in text and "p50 1.600" in text and "p90 1.700" in text
-    for r in (*mbu.REGIONS, "kernel_gap", "graph step", "eager step", "floor"):
+    for r in (*mbu.REGIONS, "graph - sum of eager regions", "graph step", "eager step", "floor"):
         assert r in text, r
     assert "synthetic" not in protocol.table(fake_result(synthetic=False))
 
@@ -226,6 +226,8 @@ def test_results_table_renders_committed_results_only(tmp_path):
     (["bench", "7b", "--warmup", "-1"], "--warmup must be at least 0"),
     (["bench", "7b", "--plot", "itl.jpg"], "expected a .png"),
     (["bench", "7b", "--profile", "p.txt"], "expected a .json"),
+    (["bench", "7b", "--timeline", "t.svg"], "expected a .png"),
+    (["bench", "--kernels", "--timeline", "t.png"], "--kernels takes no --timeline"),
 ])
 def test_cli_argument_errors(capsys, argv, msg):
     assert main(argv) == 1
@@ -356,7 +358,7 @@ def test_breakdown_sums_regions_over_layers_on_a_simulated_clock(fake_driver):
     assert us["qkv_gemv"] == pytest.approx(layers * 10) and us["paged_attention"] == pytest.approx(layers * 8)
     assert us["lm_head_argmax"] == pytest.approx(260) and us["embed"] == pytest.approx(2)
     assert res["regions_sum_ms"] == pytest.approx(res["eager_step_ms"])
-    assert res["kernel_gap_ms"] == pytest.approx(-5e-3) and res["launches"] == 2 + 7 * layers
+    assert res["graph_minus_regions_ms"] == pytest.approx(-5e-3) and res["launches"] == 2 + 7 * layers
     prof = itl.profile(dec, context=100, reps=2)
     assert [k["layer"] for k in prof["kernels"]] == [None] + [i for i in range(layers) for _ in range(7)] + [None]
     assert prof["total_us"] == pytest.approx(1e3 * res["regions_sum_ms"])

@@ -11,6 +11,7 @@ compute each row with the same arithmetic (a reused prefix holds the cold run's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from nanoqwen import config, testmodels
 from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
+from nanoqwen.runtime import batchstep as batchstep_mod
 from nanoqwen.runtime import chunk_graphs as chunk_graphs_mod
 from nanoqwen.runtime import decoder as decoder_mod
 from nanoqwen.runtime import memory as memory_mod
@@ -172,11 +174,11 @@ class FakeKV:
         self.k = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.v = [FakeBuf(layout.pool_bytes) for _ in range(layout.layers)]
         self.page_table = FakeBuf(layout.table_bytes)
-        self.pages = []
+        self.pages, self.loaded = [], None
 
     def load(self, pages, stream):
         assert len(pages) <= self.layout.table_len
-        self.pages = list(pages)
+        self.pages, self.loaded = list(pages), pages
 
     def free(self):
         pass
@@ -199,9 +201,9 @@ def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambd
     spec)`` makes each kernel."""
     cfg = config.default()
     d = nqfile.dims
-    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
+    for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod, batchstep_mod):
         monkeypatch.setattr(mod, "driver", FakeDriver)
-    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod):
+    for mod in (state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod, batchstep_mod):
         monkeypatch.setattr(mod, "cu", FakeCu)
     specs = decoder_mod.step_specs(d, cfg) | (prefill_mod.prefill_specs(d, cfg) if chunk else {})
     kernels = {role: (spec, fn(role, spec)) for role, spec in specs.items()}
@@ -240,6 +242,41 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     assert qkv[1]["w0"] == w.ptr("L1.qkv.packed") and qkv[1]["bias"] == w.ptr("L1.qkv.bias")
     gu = [a for r, _, _, a in dec.sequence if r == "gate_up"][0]
     assert (gu["w0"], gu["w1"]) == (w.ptr("L0.gate.packed"), w.ptr("L0.up.packed"))
+
+
+def test_timed_decoder_gives_each_launch_its_probe_slots(nqfile, monkeypatch):
+    """The timeline's Decoder (bench/timeline.py): the same launch list over the session decoder's buffers,
+    each launch's ``probe`` its own 3 slots of one table, in launch order; only the step's kernels are
+    timed (a session's decoder also holds the prefill's GEMMs, which have no probe hooks)."""
+    from nanoqwen import codegen
+    from nanoqwen.bench import timeline
+    from nanoqwen.runtime import driver
+    run = fake_runner(nqfile, monkeypatch, chunk=32)
+    seen = []
+
+    class Recorder(FakeFn):
+        def launch(self, launch, stream, pdl, **args):
+            seen.append(args["probe"])
+
+    def build_many(specs, progress=None, cfg=None):
+        specs = list(specs)
+        for spec in specs:
+            spec.validate()
+        return specs
+    monkeypatch.setattr(codegen, "build_many", build_many)
+    monkeypatch.setattr(driver, "load", Recorder)
+    timed = timeline.timed_decoder(run.decoder)
+    kernels = timed.kernels
+    assert set(kernels) == {role for role, *_ in run.decoder.sequence} < set(run.decoder.kernels)
+    n = len(timed.sequence)
+    assert run.decoder.probe is None and timed.bufs is run.decoder.bufs and timed.probe.nbytes == 24 * n
+    assert [args["probe"] for *_rest, args in timed.sequence] == [timed.probe.ptr + 24 * i for i in range(n)]
+    for role, _fn, _launch, args in timed.sequence:
+        assert set(args) == {name for name, _ in kernels[role][0].signature}, role
+    timed.launch_kernels()
+    assert seen == [timed.probe.ptr + 24 * i for i in range(n)]
+    with pytest.raises(ValueError, match="all timed or all untimed"):
+        decoder_mod.Decoder(run.shared, {**kernels, "embed": run.decoder.kernels["embed"]}, bufs=run.decoder.bufs)
 
 
 def test_memory_table_is_what_the_parts_allocate(nqfile, monkeypatch):

@@ -10,6 +10,7 @@ import numpy as np
 
 from test_decoder_plan import at, fake_session, nqfile  # noqa: F401
 
+from nanoqwen.runtime import rowstep
 from nanoqwen.runtime.paged_kv import UNMAPPED
 
 
@@ -50,3 +51,27 @@ def test_a_verify_reads_the_loaded_table(nqfile, monkeypatch):  # noqa: F811
     m = rows.bucket(3)
     assert device_ints(rows.bufs.rows_in, 3 * rows.m)[rows.m + m:rows.m + 2 * m].tolist() == [0] * m
     assert device_ints(rows.bufs.row_tables, rows.table_len).tolist() == list(range(5, 5 + rows.table_len))
+
+
+def test_each_bucket_is_timed_over_its_own_inputs(nqfile, monkeypatch):  # noqa: F811
+    """``measure`` replays every bucket's graph over inputs laid out for that bucket: the table offsets'
+    place in rows_in depends on m, and a bucket replayed over the largest one's inputs read positions as
+    offsets (the H200's first run: an illegal address at session start)."""
+    s = session(nqfile, monkeypatch)
+    rows, seen = s.rows, []
+
+    class Graph:
+        def __init__(self, m):
+            self.m = m
+
+        def launch(self, stream):
+            m, got = self.m, device_ints(rows.bufs.rows_in, 3 * rows.m)
+            seen.append((m, got[rows.m:rows.m + m].tolist(), got[rows.m + m:rows.m + 2 * m].tolist()))
+    rows.run([0] * rows.m, list(range(rows.m)))   # the warm-up's last run: the largest bucket's layout
+    rows.graphs = {m: Graph(m) for m in rows.buckets}
+    monkeypatch.setattr(rowstep.driver.Event, "elapsed_ms", staticmethod(lambda a, b: 1.0), raising=False)
+    rows.measure(reps=2)
+    assert sorted({m for m, _p, _o in seen}) == rows.buckets and len(seen) == 2 * len(rows.buckets)
+    for m, positions, offsets in seen:
+        assert positions == list(range(m)) and offsets == [0] * m, m
+    assert rows.ms == {m: 1.0 for m in rows.buckets}

@@ -3,7 +3,9 @@
 each of them (a function of its whole logits row), must be bitwise what the same engine gives the request
 alone, whatever ran beside it: mixed prompt lengths read in chunks between decode steps, mixed max_tokens,
 clients that leave mid-stream, speculative requests, a sequence that waits for pages. The reference's step
-computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. Where a
+computes every row as one decode step (class (a) of docs/architecture.md), so equality is exact. No prompt
+extends another prompt sent to the same server (each starts at its own offset of the text): on the CUDA
+engine a prompt position reused from the prefix cache is a cold prefill's bits, a generated one is not. Where a
 test needs two requests side by side at a given moment (a page wait, a failed admission), the app runs in
 process and the test holds the engine thread between steps (HeldSteps) rather than racing it."""
 
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_util import model_fixtures, open_local, serve_in_process, server as start_server
+from _serve_util import in_worker, model_fixtures, open_local, serve_in_process, server as start_server
 from _texts import code_text
 from nanoqwen.runtime.sampler import Sampling
 from nanoqwen.serve.jobs import top_logprobs
@@ -25,7 +27,7 @@ from nanoqwen.serve.jobs import top_logprobs
 STEP_TOKENS = 16   # small, so that prompts are read in many chunks between the running streams' steps
 
 
-model, local = model_fixtures("batching")
+model, local, backend = model_fixtures("batching")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,10 @@ def ids(local):
 
 
 def alone(local, prompt: list[int], max_tokens: int) -> tuple[list[str], list[float], str]:
-    """(token texts, their logprobs, finish reason) of a greedy request run alone in this process."""
+    """(token texts, their logprobs, finish reason) of a greedy request run alone and cold in this process
+    (its prefix cache emptied first: a reused generated position is not a prefill's bits on the GPU)."""
     engine, tok, stop = local
+    (engine.runner.cache if hasattr(engine, "runner") else engine.cache).clear()
     texts, lps, finish = [], [], "length"
     for t, row in engine.generate(prompt, max_tokens, Sampling(), logits=True):
         if t in stop:
@@ -105,9 +109,9 @@ LEAVE = {2: 3, 7: 1, 11: 0, 13: 5}   # client -> chunks read before it disconnec
 
 
 @pytest.fixture(scope="module")
-def server(model):
+def server(model, backend):
     s = start_server(model[0], "--max-running", "8", "--step-tokens", str(STEP_TOKENS), "--kv-tokens", "65536",
-                     cache_dir=model[1])
+                     backend=backend, cache_dir=model[1])
     yield s
     s.close()
 
@@ -147,7 +151,9 @@ def test_seeded_sampling_and_penalties_are_per_request(server, ids):
     fields = [dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, seed=2),
               dict(temperature=0, frequency_penalty=1.5), dict(temperature=1.2, presence_penalty=0.5, seed=3),
               dict(temperature=0)]
-    prompts = [ids[100 + 11 * i:130 + 19 * i] for i in range(len(fields))]
+    # starts no other prompt of the module's server shares: on the GPU a request that extends an earlier
+    # one's prompt reuses its generated positions, whose K/V the decode step computed (class (b))
+    prompts = [ids[2000 + 11 * i:2030 + 19 * i] for i in range(len(fields))]
 
     def ask(i):
         return stream(client, prompts[i], 12, **fields[i])
@@ -159,9 +165,9 @@ def test_seeded_sampling_and_penalties_are_per_request(server, ids):
 
 # ---- speculative requests beside plain ones -------------------------------------------------------------
 
-def test_speculative_streams_beside_others_are_plain_greedy(model, local, ids):
+def test_speculative_streams_beside_others_are_plain_greedy(model, backend, local, ids):
     s = start_server(model[0], "--speculate", "lookup", "--max-running", "4", "--step-tokens", "32",
-                     cache_dir=model[1])
+                     backend=backend, cache_dir=model[1])
     try:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
         prompts = [ids[:200], ids[60:120], ids[300:460], ids[20:30], ids[200:380], ids[500:540]]
@@ -221,15 +227,15 @@ def answer(r) -> tuple[list[str], list[float], str]:
     return c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["finish_reason"]
 
 
-def test_a_sequence_short_of_pages_waits_and_others_run(model, local, ids):
+def test_a_sequence_short_of_pages_waits_and_others_run(model, backend, local, ids):
     """A pool of 256 tokens (16 pages) holds one 200-position sequence: a second one waits at the head of the
     queue while rows are free (running 1, waiting 1) instead of failing either, then runs once the first
     has ended; both are exactly what they give alone. The steps are held so that the scheduler's admission
     of the second is read while the first still runs."""
-    engine, tok, _ = open_local(*model, context=256)   # its KV pool holds `context` tokens
+    engine, tok, _ = open_local(*model, backend=backend, context=256)   # its KV pool holds `context` tokens
     held = engine.batch = HeldSteps(engine.batch, allowed=1)
     try:
-        client = serve_in_process(lambda: (engine, tok))
+        client = serve_in_process(in_worker(engine, tok, backend))
         big, waiter, got = ids[:100], ids[400:500], {}
 
         def ask(name, prompt):

@@ -20,7 +20,7 @@ PROMPT = "def parse_args(argv):\n    "
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
 
-model, local = model_fixtures("choices")
+model, local, backend = model_fixtures("choices")
 
 
 @pytest.fixture(scope="module")

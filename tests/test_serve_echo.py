@@ -16,7 +16,7 @@ from _serve_util import ScriptedEngine, greedy, model_fixtures, serve_in_process
 PROMPT = "import os\n\ndef read_lines(path):\n    "
 
 
-model, local = model_fixtures("echo")
+model, local, backend = model_fixtures("echo")
 
 
 @pytest.fixture(scope="module")

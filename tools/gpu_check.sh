@@ -8,12 +8,17 @@
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
 #   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b --no-baseline` (synthetic 7B, config protocol, ITL plot, profile)
+#   GPU_CHECK_TIMELINE 1 runs `nanoqwen bench 7b --no-baseline --timeline`: every kernel of the step timed inside
+#                      the replayed graph (bench-7b-timeline.json with the per-kernel figures, timeline.png,
+#                      and the region chart beside it, itl-timeline.png)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
 #                      it and tests/gpu/test_serve.py need fastapi, uvicorn, openai and their dependencies, which
 #                      the GPU machine lacks: wheels in .whl/ (tools/fetch_wheels.sh; git-ignored, named in
 #                      carry) are installed first
+#   GPU_CHECK_CONCURRENCY 1 runs the server's concurrency table (1..16 streaming clients at once, TTFT while 7
+#                      decode; concurrency.json; needs the wheels as GPU_CHECK_SERVE)
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
@@ -81,10 +86,14 @@ fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
 [ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 200 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
     --out "$OUT/bench-7b.json" --plot "$OUT/itl.png" --profile "$OUT/profile-7b.json"
+[ "${GPU_CHECK_TIMELINE:-0}" = 1 ] && stage timeline 300 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
+    --out "$OUT/bench-7b-timeline.json" --plot "$OUT/itl-timeline.png" --timeline "$OUT/timeline.png"
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 150 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
+[ "${GPU_CHECK_CONCURRENCY:-0}" = 1 ] && stage concurrency 540 $PY -m nanoqwen.bench.serve --concurrency \
+    --json "$OUT/concurrency.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"

@@ -29,6 +29,7 @@ from ..modelcache import new_entry, resolve
 from ..nqfile import VERSION, NanoqwenFile, weight_tensors
 from ..safefile import check_replaceable
 from . import mbu
+from .charts import pyplot
 
 SCHEMA = 1
 SYNTHETIC_SEED = 0
@@ -119,7 +120,7 @@ def check_protocol(warmup: int, prompt_tokens: int, gen_tokens: int, repetitions
 
 def run(model: str, warmup: int | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
         repetitions: int | None = None, baseline: bool = True, profile_path: Path | None = None,
-        cfg: config.Config | None = None, log=None) -> dict:
+        timeline: bool = False, cfg: config.Config | None = None, log=None) -> dict:
     cfg = cfg or config.default()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     b = cfg.bench
@@ -188,6 +189,10 @@ def run(model: str, warmup: int | None = None, prompt_tokens: int | None = None,
             write_json(prof, profile_path)
             result["profile"] = {"path": str(profile_path), "total_us": prof["total_us"]}
             log(itl.slowest(prof))
+        if timeline:
+            from . import timeline as tl
+            log(f"timeline at context {ctx} (timed kernels, stamps inside the replayed graph) ...")
+            result["timeline"] = tl.measure(session.decoder, ctx, cfg=cfg)
         stream = driver.Stream()
         try:
             result["copy"] = kernels.copy_bandwidth(stream)
@@ -303,9 +308,12 @@ def itl_table(result: dict) -> str:
             f"{x['total'] / 1e6:>9.2f} {x['GBps']:>7.0f} {100 * x['mbu']:>5.1f}% {x['floor_ms']:>8.4f}" if x else ""))
     lines.append(f"{'sum of regions':<16} {it['regions_sum_ms']:>8.4f}")
     if it["graph_step_ms"] is not None:
-        lines.append(f"{'graph step':<16} {it['graph_step_ms']:>8.4f}   kernel_gap = graph - sum = "
-                     f"{it['kernel_gap_ms']:+.4f} ms")
+        lines.append(f"{'graph step':<16} {it['graph_step_ms']:>8.4f}   graph - sum of eager regions = "
+                     f"{it['graph_minus_regions_ms']:+.4f} ms (not idle time: see the timeline)")
     lines.append(f"{'eager step':<16} {it['eager_step_ms']:>8.4f}   ({it['launches']} launches)")
+    if "timeline" in result:
+        from .timeline import summary
+        lines.append(summary(result["timeline"]))
     if mb:
         lines.append(f"MBU: {mb['bytes_per_token'] / 1e9:.3f} GB/token at context {mb['context']}, copy bandwidth "
                      f"{mb['copy_GBps']:.0f} GB/s -> floor {mb['floor_ms_per_token']:.3f} ms/token; decode "
@@ -315,16 +323,14 @@ def itl_table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> str:
-    """A bar chart of the region times (and kernel_gap) as a PNG; returns a line saying what happened."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """A bar chart of the region times as a PNG, with the real idle time between kernels when the run has
+    a timeline (else none: graph - sum of eager regions is not one); returns a line saying what happened."""
+    plt = pyplot()
+    if plt is None:
         return f"--plot {path}: matplotlib is not installed, no chart written (the table above has the numbers)"
     it = result["itl"]
-    gap = [] if it["kernel_gap_ms"] is None else [it["kernel_gap_ms"]]
-    names = list(mbu.REGIONS) + ["kernel_gap"] * len(gap)
+    gap = [1e-3 * result["timeline"]["kernel_gap_us"]] if "timeline" in result else []
+    names = list(mbu.REGIONS) + ["kernel_gap (in-graph)"] * len(gap)
     vals = [it["regions_ms"][r] for r in mbu.REGIONS] + gap
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = ax.bar(names, vals, color=["C0"] * len(mbu.REGIONS) + ["C3"] * (len(names) - len(mbu.REGIONS)))

@@ -1,5 +1,6 @@
 """`nanoqwen bench MODEL`: the pp512 / tg128 protocol of config ``bench`` (nanoqwen/bench/protocol.py) with
-the ITL breakdown, MBU and the PyTorch baselines; `nanoqwen bench --kernels` times the INT4 GEMVs alone
+the ITL breakdown, MBU and the PyTorch baselines (``--timeline``: every kernel timed inside the replayed
+graph, bench/timeline.py); `nanoqwen bench --kernels` times the INT4 GEMVs alone
 against the copy bandwidth (nanoqwen/bench/kernels.py). MODEL is a .nanoqwen file, a Hugging Face
 directory, or ``7b``: the synthetic random-weight Qwen2.5-7B, packed on first use into the cache."""
 
@@ -22,6 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baselines")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="bar chart of the ITL breakdown")
     p.add_argument("--profile", type=Path, metavar="FILE.json", help="per-kernel timings of one step")
+    p.add_argument("--timeline", type=Path, metavar="FILE.png",
+                   help="time every kernel inside the replayed step graph: chart here, per-kernel figures in the JSON")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 
 
@@ -31,7 +34,7 @@ def _check(args) -> None:
         extra = [o for o, v in (("MODEL", args.model), ("--warmup", args.warmup),
                                 ("--prompt-tokens", args.prompt_tokens), ("--gen-tokens", args.gen_tokens),
                                 ("--repetitions", args.repetitions), ("--plot", args.plot),
-                                ("--profile", args.profile)) if v is not None]
+                                ("--profile", args.profile), ("--timeline", args.timeline)) if v is not None]
         if extra:
             raise BenchError(f"nanoqwen bench --kernels takes no {', '.join(extra)} "
                              f"(it times the 7B GEMV shapes alone)")
@@ -44,7 +47,7 @@ def _check(args) -> None:
         if v is not None and v < lo:
             raise BenchError(f"{opt} must be at least {lo}, got {v}")
     for opt, path, suffix in (("--plot", args.plot, ".png"), ("--profile", args.profile, ".json"),
-                              ("--out", args.out, ".json")):
+                              ("--timeline", args.timeline, ".png"), ("--out", args.out, ".json")):
         if path is not None and path.suffix.lower() != suffix:
             raise BenchError(f"{opt} {path}: expected a {suffix} file name")
         if path is not None and not path.resolve().parent.is_dir():   # before the benchmark, not after
@@ -69,10 +72,15 @@ def run(args) -> int:
     else:
         result = protocol.run(args.model, warmup=args.warmup, prompt_tokens=args.prompt_tokens,
                               gen_tokens=args.gen_tokens, repetitions=args.repetitions,
-                              baseline=not args.no_baseline, profile_path=args.profile)
+                              baseline=not args.no_baseline, profile_path=args.profile,
+                              timeline=args.timeline is not None)
         print(protocol.table(result), flush=True)
         if args.plot:
             print(protocol.plot(result, args.plot))
+        if args.timeline:
+            from ..bench import timeline
+            print(timeline.plot(result["timeline"], args.timeline,
+                                f"{result['model']['label']} on {result['gpu']['name']}, commit {result['commit']}"))
     if args.out:
         protocol.write_json(result, args.out)
         print(f"wrote {args.out}")

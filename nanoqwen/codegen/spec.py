@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import NanoqwenError
+from . import probe
 
 
 class SpecError(NanoqwenError):
@@ -115,12 +116,22 @@ def scalar(name: str, ctype: str, note: str = "") -> Param:
     return Param(name, ctype, pointer=False, restrict=False, const=False, note=note)
 
 
+# the last parameter of a timed kernel: its launch's slots of the probe table (codegen/probe.py)
+PROBE_PARAM = out(probe.PARAM_NAME, "u64", note=probe.PARAM_NOTE)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     family: ClassVar[str]
     template: ClassVar[str]            # file name inside templates/
     uri_fields: ClassVar[tuple[str, ...]] = ()   # fields shown in the readable URI, in this order
     kernel_params: ClassVar[tuple[Param, ...]]   # in C++ order; a property where variants differ
+    timeable: ClassVar[bool] = False   # the template carries the timeline probe's hooks (codegen/probe.py)
+
+    # Timeline variant (codegen/probe.py): one more parameter, `probe`, and %globaltimer stamps. Keyword-only
+    # (families declare required fields after it) and left out of spec_repr while False, so an untimed
+    # spec's repr, URI, cache key and source are exactly what they were before this field existed.
+    timed: bool = dataclasses.field(default=False, kw_only=True)
 
     # ---- subclass hooks ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -138,12 +149,17 @@ class KernelSpec:
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise SpecError(f"{type(self).__name__}.kernel_params repeats a name: {names}")
+        if self.timed and not self.timeable:
+            raise SpecError(f"{self.family}: timed=True, but templates/{self.template} has no timeline probe hooks")
+        if self.timed and PROBE_PARAM.name in names:
+            raise SpecError(f"{self.family}: a kernel parameter is named {PROBE_PARAM.name!r}, the timeline probe's")
 
     def context(self) -> dict:
         """Template variables: every field, plus ``entry`` (the extern "C" name), ``spec_repr`` and
-        ``params`` (the C++ parameter list generated from ``kernel_params``)."""
+        ``params`` (the C++ parameter list generated from ``all_params``) and the probe hooks (probe.hooks)."""
         ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        ctx.update(entry=self.entry, spec_repr=self.spec_repr, params=cpp_params(self.kernel_params))
+        ctx.update(entry=self.entry, spec_repr=self.spec_repr, params=cpp_params(self.all_params),
+                   **probe.hooks(self.timed))
         return ctx
 
     def launch(self) -> Launch:
@@ -152,9 +168,10 @@ class KernelSpec:
     # ---- derived names -------------------------------------------------------------------------------
     @property
     def spec_repr(self) -> str:
-        """Canonical text of the spec (family, template, every field in declaration order): hashed into
-        the URI and embedded in the generated source."""
-        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        """Canonical text of the spec (family, template, every field in declaration order; ``timed`` only
+        when True): hashed into the URI and embedded in the generated source."""
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                           if f.name != "timed" or self.timed)
         return f"{self.family}[{self.template}]({fields})"
 
     @property
@@ -164,7 +181,8 @@ class KernelSpec:
     @property
     def uri(self) -> str:
         """``<family>_<field><value>..._<8hex>``, a valid C identifier, e.g. gemv_int4_n18944_k3584_<8hex>."""
-        parts = [self.family] + [_uri_part(n, getattr(self, n)) for n in self.uri_fields] + [self.hash8]
+        parts = ([self.family] + [_uri_part(n, getattr(self, n)) for n in self.uri_fields]
+                 + ["timed"] * self.timed + [self.hash8])
         return re.sub(r"[^0-9A-Za-z_]", "_", "_".join(parts))
 
     @property
@@ -172,9 +190,14 @@ class KernelSpec:
         return self.uri
 
     @property
+    def all_params(self) -> tuple[Param, ...]:
+        """The parameters the kernel is compiled with: ``kernel_params``, then the probe when timed."""
+        return self.kernel_params + ((PROBE_PARAM,) if self.timed else ())
+
+    @property
     def signature(self) -> tuple[tuple[str, str], ...]:
         """(name, kind) per kernel parameter: what the driver packs launch arguments by."""
-        return tuple((p.name, p.kind) for p in self.kernel_params)
+        return tuple((p.name, p.kind) for p in self.all_params)
 
     # ---- construction from text (CLI, tuned results) ----------------------------------------------------
     @classmethod
@@ -183,11 +206,14 @@ class KernelSpec:
 
     @classmethod
     def parameters(cls) -> dict[str, tuple[type, object]]:
-        """name -> (type, default); default is dataclasses.MISSING for a required parameter."""
+        """name -> (type, default); default is dataclasses.MISSING for a required parameter. ``timed``
+        comes last, and only for a family whose template has the probe hooks."""
         hints = cls.field_types()
+        fields = [f for f in dataclasses.fields(cls) if f.name != "timed"]
+        fields += [f for f in dataclasses.fields(cls) if f.name == "timed" and cls.timeable]
         return {f.name: (hints[f.name], f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING))
-                for f in dataclasses.fields(cls)}
+                for f in fields}
 
     @classmethod
     def typed_params(cls, kv: dict) -> dict:

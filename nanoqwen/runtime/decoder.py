@@ -15,7 +15,11 @@ positions are tested explicitly (tests/gpu/test_decode.py). Every kernel is laun
 Dependent Launch, so each one streams its weights while its predecessor drains.
 
 ``step`` enqueues one step (optionally feeding a host token into ``state[0]`` first) and its read-back;
-nothing here waits for the GPU. The request loop around it is runtime/runner.py."""
+nothing here waits for the GPU. The request loop around it is runtime/runner.py.
+
+A Decoder over timed kernels (codegen/probe.py; bench/timeline.py builds one) also owns a probe table:
+launch i gets slots i as its ``probe`` argument. Zeroing the table (which arms it) is the caller's, before
+each step: it stays out of the graph, so the graph holds only the step's kernels, exactly as untimed."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import numpy as np
 
 from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
 from ..codegen.kernels import attention, embed, embed_prefill, gemv, lm_head
-from ..codegen import tuned
+from ..codegen import probe, tuned
 from . import driver
 from .driver import check, cu
 from .memory import Buffers
@@ -80,10 +84,12 @@ class Decoder:
     def __init__(self, shared, kernels: dict, pdl: bool = True, bufs: Buffers | None = None):
         self.shared, self.kernels, self.pdl = shared, kernels, pdl
         self.dims, self.stream = shared.dims, shared.stream
+        self._own_bufs = bufs is None   # a timed decoder runs over another decoder's buffers
         self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: spec for r, (spec, _fn) in kernels.items()}))
         self.host_in = driver.HostBuffer(4 * shared.capacity)   # tokens copied into state[0], slot = step
         self.tok_in = self.host_in.array(np.int32)
         self.sequence = self._sequence()
+        self.probe = self._probe_table()
         self.graph = None
 
     def _sequence(self) -> list:
@@ -103,6 +109,18 @@ class Decoder:
             state=st.state, tokens_out=st.tokens_out, tokens_cap=sh.capacity, partials=b.partials,
             argmax_done=st.argmax_done, err=st.err)
         return seq
+
+    def _probe_table(self) -> driver.DeviceBuffer | None:
+        """Timed kernels: the probe table, each launch's ``probe`` argument set to its own slots."""
+        timed = {spec.timed for spec, _fn in self.kernels.values()}
+        if timed == {False}:
+            return None
+        if len(timed) > 1:
+            raise ValueError("a decode step's kernels are all timed or all untimed")
+        table = driver.DeviceBuffer(probe.table_bytes(len(self.sequence)))
+        for i, (_role, _fn, _launch, args) in enumerate(self.sequence):
+            args[probe.PARAM_NAME] = table.ptr + probe.table_bytes(i)
+        return table
 
     def launch_kernels(self, stream=None) -> None:
         """One step, kernel by kernel (eager mode, and what the graph captures)."""
@@ -154,5 +172,8 @@ class Decoder:
         self.shared.drain()
         if self.graph is not None:
             self.graph.close()
-        self.bufs.free()
+        if self._own_bufs:
+            self.bufs.free()
+        if self.probe is not None:
+            self.probe.free()
         self.host_in.free()

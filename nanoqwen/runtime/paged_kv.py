@@ -205,6 +205,7 @@ class PagedKVCache:
         self._host = driver.HostBuffer(layout.table_bytes)
         self.table = self._host.array(np.int32)
         self.table[:] = UNMAPPED
+        self.loaded = None   # the page list ``load`` put in the table
         self._driver = driver
 
     def load(self, pages: list[int], stream) -> None:
@@ -212,6 +213,7 @@ class PagedKVCache:
             raise KVCacheError(f"KV cache: {len(pages)} pages exceed the table of {self.layout.table_len}")
         self.table[:] = UNMAPPED
         self.table[:len(pages)] = pages
+        self.loaded = pages   # the list object: a sequence's pages are loaded again only when another's were
         d = self._driver
         d.check(d.cu.cuMemcpyHtoDAsync(self.page_table.ptr, self._host.ptr, self.layout.table_bytes, stream.handle),
                 "load page table")

@@ -7,7 +7,8 @@ drafts at positions p..p+k of the loaded sequence are k + 1 rows of one step.
 One captured CUDA graph per bucket of config ``multirow.buckets`` above 1, each over the same buffers
 (sized for the largest bucket): a step of n rows replays the smallest bucket m >= n. Its inputs (tokens,
 positions) are copied from pinned memory into one device buffer before the replay; its outputs, the m
-argmaxes, come back through pinned memory after it, and the host waits once, on that copy. Rows past n
+argmaxes (and, when asked, the real rows' fp32 logits, which the lm_head always writes), come back through
+pinned memory after it, and the host waits once, on that copy. Rows past n
 repeat the last real row (same token, same position): they write the same bits into the same cache slot,
 so padding needs no masking in any kernel and never touches a position the request does not own.
 Row r attends to positions <= positions[r]: the K/V of the rows before it were appended by this step's
@@ -17,8 +18,8 @@ rope_append before any attention ran, which is what causal verification needs. T
 Rows of several sequences (continuous batching, DESIGN.md section 13): each row reads its own page-table
 row, ``row_tables + offsets[r]`` (the kernels' ``positions[m + r]``). ``run`` without tables copies the KV
 cache's loaded table into row 0 on the device (every row of the verify reads it); with tables, each
-distinct page list is uploaded into a row of its own. The engine that schedules several sequences over
-this step (a ``batch`` for runtime/batch.py) is not written yet: the CUDA engine still runs one sequence."""
+distinct page list is uploaded into a row of its own. runtime/batchstep.py schedules the server's
+sequences over this step."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def buffer_bytes(dims, specs: dict, table_len: int) -> dict[str, int]:
     KV cache whose page table has ``table_len`` entries."""
     m = specs["attention_decode"].m
     return step_buffer_bytes(dims, specs, m) | {"rows_in": 12 * m, "tokens_out": 4 * m, "argmax_done": 4,
-                                                "row_tables": 4 * m * table_len}
+                                                "row_tables": 4 * m * table_len, "logits": 4 * m * dims.vocab}
 
 
 class RowStep:
@@ -54,11 +55,13 @@ class RowStep:
         self.bufs.argmax_done.memset_u32(0, shared.stream)   # the lm_head wraps it back to 0 after each launch
         self.host_in = driver.HostBuffer(12 * m)     # tokens [m] | positions [n] | table offsets [n] | ...
         self.host_out = driver.HostBuffer(4 * m)     # argmax per row
+        self.host_logits = driver.HostBuffer(4 * m * shared.dims.vocab)   # the rows' logits, when asked
         self.host_tables = driver.HostBuffer(4 * m * self.table_len)   # the rows' sequences' page tables
         self.rows_in, self.rows_out = self.host_in.array(np.int32), self.host_out.array(np.int32)
         self.tables = self.host_tables.array(np.int32).reshape(m, self.table_len)
         self.sequences = {b: self._sequence(b) for b in self.buckets}
         self.graphs: dict[int, driver.Graph] = {}
+        self.ms: dict[int, float] = {}   # bucket -> its replay time (``measure``)
         self.done = driver.Event()
 
     def _sequence(self, m: int) -> list:
@@ -76,7 +79,7 @@ class RowStep:
         add("embed", embed_spec.launch(m), tokens=b.rows_in, embed=W("embed"), h=b.h, err=st.err, n=m)
         for i in range(d.layers):
             add_layer(add, i, W, kv, st, b, where={"positions": positions, "page_table": b.row_tables})
-        add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=0, tokens_out=b.tokens_out,
+        add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=b.logits, tokens_out=b.tokens_out,
             tokens_cap=m, partials=b.partials, argmax_done=b.argmax_done, err=st.err)
         return seq
 
@@ -102,17 +105,65 @@ class RowStep:
                     self._launch(m)
                 self.graphs[m] = g
 
-    def run(self, tokens: list[int], positions: list[int], tables: list | None = None) -> list[int]:
+    def measure(self, reps: int = 3) -> None:
+        """Each captured bucket's replay time, the best of ``reps``, over the warm-up's inputs (m rows at
+        positions 0..m-1 of the loaded page table): the step's cost is far from linear in its rows (m = 16
+        costs more than two m = 8 on the H200, docs/perf-notes.md), so runtime/batchstep.py splits rows by
+        these times. Each bucket gets its own inputs: the table offsets' place in them depends on m."""
+        start, end, stream = driver.Event(), driver.Event(), self.shared.stream
+        try:
+            for m in self.graphs:
+                self.load([0] * m, list(range(m)))
+                best = float("inf")
+                for _ in range(reps):
+                    start.record(stream)
+                    self.graphs[m].launch(stream)
+                    end.record(stream)
+                    best = min(best, driver.Event.elapsed_ms(start, end))
+                self.ms[m] = best
+        finally:
+            start.close()
+            end.close()
+
+    def run(self, tokens: list[int], positions: list[int], tables: list | None = None,
+            logits: bool = False) -> list[int]:
         """The argmax after each row (``tokens[r]`` at ``positions[r]``, K/V appended there); waits for them.
         ``tables[r]``: row r's sequence's page list (rows of one sequence pass the same list); None: every
-        row is of the sequence the KV cache's table holds (the verify)."""
+        row is of the sequence the KV cache's table holds (the verify). ``logits``: also copy the rows' fp32
+        logits out (``logits()`` reads them)."""
         n, s = len(tokens), self.shared.stream.handle
         m = self.load(tokens, positions, tables)
         self._launch(m)
         check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "multi-row argmax")
+        if logits:
+            check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab,
+                                       s), "multi-row logits")
         self.done.record(self.shared.stream)
         wait(self.done, f"multi-row step of {n} rows")
         return self.rows_out[:n].tolist()
+
+    def head(self, h: int, n: int) -> tuple[list[int], np.ndarray]:
+        """(argmax, fp32 logits) of n fp32 residual rows at device address ``h`` (a prefill chunk's final rows)
+        through this step's lm_head, each row bitwise the single-row head's (its row invariance): the rows
+        are copied into the step's own rows (the last repeated into the bucket's padding), then its lm_head
+        kernel runs alone; waits for them."""
+        m, s, row = self.bucket(n), self.shared.stream.handle, 4 * self.shared.dims.hidden
+        check(cu.cuMemcpyDtoDAsync(self.bufs.h.ptr, h, n * row, s), "head rows")
+        for r in range(n, m):
+            check(cu.cuMemcpyDtoDAsync(self.bufs.h.ptr + r * row, h + (n - 1) * row, row, s), "head padding")
+        role, fn, launch, args = self.sequences[m][-1]
+        assert role == "lm_head", role
+        fn.launch(launch, self.shared.stream, self.pdl, **args)
+        check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * n, s), "head argmax")
+        check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab, s),
+              "head logits")
+        self.done.record(self.shared.stream)
+        wait(self.done, f"lm_head of {n} rows")
+        return self.rows_out[:n].tolist(), self.logits(n)
+
+    def logits(self, n: int) -> np.ndarray:
+        """A copy of the first n rows' logits of the last ``run(..., logits=True)``."""
+        return self.host_logits.array(np.float32)[:n * self.shared.dims.vocab].reshape(n, -1).copy()
 
     def load(self, tokens: list[int], positions: list[int], tables: list | None = None) -> int:
         """Copy a step's inputs to the device, on the stream (``run``'s arguments); returns its bucket."""
@@ -154,6 +205,6 @@ class RowStep:
         for g in self.graphs.values():
             g.close()
         self.bufs.free()
-        for buf in (self.host_in, self.host_out, self.host_tables):
+        for buf in (self.host_in, self.host_out, self.host_logits, self.host_tables):
             buf.free()
         self.done.close()

@@ -30,6 +30,7 @@ from .decoder import Decoder, step_specs
 from .paged_kv import KVLayout, PagedKVCache
 from .prefill import Prefiller, prefill_specs
 from .prefix_cache import PrefixCache
+from .batchstep import BatchStep
 from .rowstep import RowStep
 from .runner import Runner
 from .sampler import Sampling
@@ -44,10 +45,6 @@ class DeviceError(NanoqwenError):
 
 
 class CudaSession:
-    # No multi-sequence step (runtime/batch.py) yet: the multi-row step's rows share one page table, so they
-    # are rows of one sequence (a verify). The server therefore runs one request at a time on this engine.
-    batch = None
-
     def __init__(self, path: str | Path, context: int, eager: bool = False, log=print,
                  cfg: config.Config | None = None, ahead: int = 8, prefill: str = "chunked",
                  kv_tokens: int | None = None, verify: bool = True, speculate=None):
@@ -110,10 +107,14 @@ class CudaSession:
             self.prefiller.warm()
         self.runner.cache.clear()
         self.runner.speculate = speculate   # after the warm-up: that one request decodes plainly
+        self.batch = BatchStep(self.runner)   # the server's several sequences at once (runtime/batch.py)
+        # every prompt row's logits (echo): the prefill's final rows through the multi-row lm_head
+        self.prompt_logits = self.prefiller is not None and self.rows is not None
         if not eager:
             self.decoder.capture()
             if self.rows is not None:
                 self.rows.capture()
+                self.rows.measure()
             if self.prefiller is not None:
                 self.prefiller.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"
@@ -152,6 +153,7 @@ class CudaSession:
         """Give the GPU memory back (tests open several sessions in one process), a draft model's too."""
         if self.runner.speculate is not None:
             self.runner.speculate.close()
+        self.batch.free()
         self.decoder.close()
         for part in (self.prefiller, self.rows):
             if part is not None:

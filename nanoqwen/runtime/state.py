@@ -74,10 +74,12 @@ class SequenceState:
         self.host_state = driver.HostBuffer(16)
         self.tok_out = self.host_out.array(np.int32)
         self.events = [driver.Event() for _ in range(slots)]
+        self.resets = 0   # how often the host set the device state (a step launched ahead counts on it)
 
     def reset(self, token: int, pos: int = 0, step: int = 0) -> None:
         """Device state = (token, pos, step, 0): the next step embeds ``token`` at ``pos``."""
         self.drain()  # the pinned slot may still feed an earlier copy
+        self.resets += 1
         st = self.host_state.array(np.int32)
         st[:] = (token, pos, step, 0)
         check(cu.cuMemcpyHtoDAsync(self.bufs.state.ptr, self.host_state.ptr, 16, self.stream.handle), "reset state")

@@ -15,13 +15,13 @@ of the queue until one ends; the others run on. A request error (ContextError: a
 ends its own sequence with a 400; a fault of the step ends every running sequence with a 500 (and, on a
 GPU engine, the worker: ``Worker.fault``).
 
-An engine without ``batch`` (the CUDA engine today) runs one request at a time through its ``generate``."""
+An engine without ``batch`` runs one request at a time through its ``generate``."""
 
 from __future__ import annotations
 
 import time
 
-from ..runtime.batch import Decoding, PagesShort
+from ..runtime.batch import Decoding, PagesShort, step_rows
 from ..runtime.generate import ContextError, check_request
 from .text import TextStream
 from .jobs import Done, PromptLogprobs, Token, top_logprobs
@@ -170,7 +170,10 @@ class Scheduler:
                 seq = self.batch.open(job.prompt, len(job.prompt) + max(job.max_tokens, 1) - 1)
                 if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a
                     seq.lease.reused = seq.pos = 0     # reused prefix (its K/V rows come out bitwise the same)
-                decoding = Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling, self.engine.speculate)
+                    seq.prompt_logits = True
+                logits = job.top_logprobs is not None or job.prompt_logprobs is not None
+                decoding = Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling, self.engine.speculate,
+                                    logits, self.batch.max_rows)
             except PagesShort:
                 w.put_back(job)   # waits at the head of the queue for a running sequence's pages
                 break
@@ -186,20 +189,16 @@ class Scheduler:
 
     def _step(self) -> None:
         """One step over the running sequences: decode (and verify) rows first, then prompt chunks."""
-        work = [(r, r.decoding.rows(1)) for r in self.running if not r.decoding.prefilling]
-        left, chunked = self.step_tokens - sum(len(rows) for _, rows in work), False
-        for r in self.running:
-            if r.decoding.prefilling and (left > 0 or not chunked):
-                work.append((r, r.decoding.rows(left)))
-                left, chunked = left - len(work[-1][1]), True
+        running = {r.decoding: r for r in self.running}
+        work = [(running[d], rows) for d, rows in step_rows(list(running), self.step_tokens)]
         m = self.worker.metrics
         m.step_sequences.observe(len(work))
         m.step_rows.observe(sum(len(rows) for _, rows in work))
         starts = [r.decoding.seq.pos for r, _ in work]
-        logits = self.batch.step([(r.decoding.seq, rows) for r, rows in work])
-        for (r, _), start, rows in zip(work, starts, logits):
+        results = self.batch.step([(r.decoding.seq, rows) for r, rows in work])
+        for (r, _), start, rows in zip(work, starts, results):
             if r.reply.job.prompt_logprobs is not None and start < len(r.decoding.prompt):
-                r.reply.score(start, rows)
+                r.reply.score(start, rows.logits)
             try:
                 ended = any(r.reply.push(tok, row) for tok, row in r.decoding.advance(rows))
             except ContextError as e:   # a request error (its grammar failed): this sequence only

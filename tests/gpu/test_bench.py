@@ -1,7 +1,8 @@
 """`nanoqwen bench MODEL` end to end on the GPU, short protocol, on the random model with the 7B's layer shapes
 (2 layers, the real vocab: a breakdown with realistic kernels in a few seconds): the JSON is complete with
-positive figures, the region times of the eager replay add up to the eager step, kernel_gap is
-graph - sum, the per-kernel profile covers every launch, and the PyTorch baselines ran (or say why not)."""
+positive figures, the region times of the eager replay add up to the eager step, graph_minus_regions is
+graph - sum, the per-kernel profile covers every launch, the in-graph timeline is in the JSON with its chart,
+and the PyTorch baselines ran (or say why not)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def bench(packed, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", str(packed("7b-shapes")), "--warmup", "1", "--prompt-tokens", str(P), "--gen-tokens", str(G),
             "--repetitions", "2", "--out", str(out / "r.json"), "--profile", str(out / "prof.json"),
-            "--plot", str(out / "itl.png")]
+            "--plot", str(out / "itl.png"), "--timeline", str(out / "timeline.png")]
     assert main(argv) == 0
     return out, json.loads((out / "r.json").read_text()), json.loads((out / "prof.json").read_text())
 
@@ -54,7 +55,7 @@ def test_region_times_add_up_to_the_step(bench):
     _out, r, _prof = bench
     it = r["itl"]
     assert it["gated"] and not it["gate_timed_out"], f"eager replay ungated (host time in it): {it['gate_error']}"
-    assert it["kernel_gap_ms"] == pytest.approx(it["graph_step_ms"] - it["regions_sum_ms"])
+    assert it["graph_minus_regions_ms"] == pytest.approx(it["graph_step_ms"] - it["regions_sum_ms"])
     ratio = it["regions_sum_ms"] / it["eager_step_ms"]
     print(f"sum of regions / eager step = {ratio:.3f}, graph step {it['graph_step_ms']:.4f} ms, "
           f"eager {it['eager_step_ms']:.4f} ms, sum {it['regions_sum_ms']:.4f} ms", file=sys.stderr)
@@ -70,6 +71,18 @@ def test_profile_covers_every_launch(bench):
     assert 0.7 < prof["total_us"] / (1e3 * r["itl"]["regions_sum_ms"]) < 1.4
     if importlib.util.find_spec("matplotlib"):
         assert (out / "itl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_is_in_the_json_with_its_chart(bench):
+    """`--timeline`: the in-graph per-kernel figures (tests/gpu/test_timeline.py checks them in depth)."""
+    out, r, _prof = bench
+    tl = r["timeline"]
+    assert tl["launches"] == r["itl"]["launches"] == len(tl["kernels"]) and tl["context"] == r["itl"]["context"]
+    assert 0 < tl["union_us"] <= tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
+    assert tl["graph_step_us"] > 0 and tl["timer_quantum_ns"] > 0
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    print(json.dumps({k: v for k, v in tl.items() if k != "kernels"}, indent=1), file=sys.stderr)
 
 
 def test_baselines_ran_or_say_why(bench):

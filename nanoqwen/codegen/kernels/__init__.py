@@ -16,7 +16,11 @@ Adding a family:
        def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]
    (the GPU's SM count and shared memory come from ``gpu``, never from constants; called once per module by ``codegen.manifest.model_kernels``; tests/test_kernels_compile.py then compiles
    every spec it returns for the 7B and the test model and asserts no spills and no local memory).
-4. One line in FAMILIES below. ``nanoqwen-gen list`` / ``emit <family> --param k=v`` work at once."""
+4. One line in FAMILIES below. ``nanoqwen-gen list`` / ``emit <family> --param k=v`` work at once.
+5. A kernel of the decode step also gets a timed variant (the in-graph timeline, codegen/probe.py): set
+   ``timeable = True`` and place the three hooks in the template, ``{{ probe_code }}`` before the kernel,
+   ``{ {{- probe_enter }}`` as its opening brace and ``{{ probe_wait }}`` right after ``pdl_wait();`` (empty
+   strings when untimed, so the untimed source does not change)."""
 
 from __future__ import annotations
 

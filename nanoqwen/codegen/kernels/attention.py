@@ -63,6 +63,7 @@ VEC = 8                        # fp16 per lane per K/V row in attention_decode (
 class AttentionDecodeSpec(KernelSpec):
     family = "attention_decode"
     template = "attention_decode.cu.j2"
+    timeable = True   # templates/attention_decode.cu.j2 places the timeline probe's hooks
     uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps", "m")
 
     head_dim: int
@@ -133,6 +134,7 @@ class AttentionDecodeSpec(KernelSpec):
 class AttentionCombineSpec(KernelSpec):
     family = "attention_combine"
     template = "attention_combine.cu.j2"
+    timeable = True   # templates/attention_combine.cu.j2 places the timeline probe's hooks
     uri_fields = ("head_dim", "heads", "splits", "m")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"))
@@ -158,6 +160,7 @@ class AttentionCombineSpec(KernelSpec):
 class RopeAppendSpec(KernelSpec):
     family = "rope_append"
     template = "rope_append.cu.j2"
+    timeable = True   # templates/rope_append.cu.j2 places the timeline probe's hooks
     uri_fields = ("head_dim", "heads", "kv_heads", "m")
 
     head_dim: int

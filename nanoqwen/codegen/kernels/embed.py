@@ -29,6 +29,7 @@ ERR_TOKEN_RANGE = 1  # *err bit set by the embed kernel: state[0] was not a vali
 class EmbedSpec(KernelSpec):
     family = "embed"
     template = "embed.cu.j2"
+    timeable = True   # templates/embed.cu.j2 places the timeline probe's hooks
     uri_fields = ("vocab", "hidden", "threads")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("state", "int", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("embed", "uint4"), out("h", "float4"),

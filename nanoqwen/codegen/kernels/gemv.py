@@ -33,6 +33,7 @@ VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast pat
 class GemvInt4Spec(KernelSpec):
     family = "gemv_int4"
     template = "gemv_int4.cu.j2"
+    timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
     uri_fields = ("epilogue", "n", "k", "norm", "rows", "lanes", "warps", "tiles_per_warp", "splitk", "m")
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)

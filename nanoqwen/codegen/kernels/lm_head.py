@@ -57,6 +57,7 @@ def lane_vecs(hidden: int) -> int:
 class LmHeadArgmaxSpec(KernelSpec):
     family = "lm_head_argmax"
     template = "lm_head_argmax.cu.j2"
+    timeable = True   # templates/lm_head_argmax.cu.j2 places the timeline probe's hooks
     uri_fields = ("vocab", "hidden", "warps", "rows_per_warp", "unroll", "ctas", "m")
 
     hidden: int                 # K: model hidden size

@@ -1,0 +1,189 @@
+"""Timeline of one decode step measured INSIDE the replayed graph: every kernel of the step in its timed
+variant (codegen/probe.py) stamps %globaltimer at its start (first CTA in), after its PDL wait (first CTA
+past griddepcontrol.wait) and at its end (last warp out) into a probe table; the timed step is captured
+as one graph of the same kernels and replayed ``reps`` times at a fixed decode state, the table zeroed
+(a memset on the stream, just before each replay: the graph itself holds only kernels, so the first
+kernel's PDL launch follows nothing but the previous work, as untimed) and read back after each replay.
+
+Per replay, offsets are relative to the step's first start; per launch: ``busy`` = end - start (its whole
+residency, including the PDL prologue it overlaps with its predecessor), ``own`` = the part of [start, end]
+no earlier kernel covers, ``gap_before`` = idle time between everything before it and its start. Then
+``span`` = last end - first start = sum(own) + kernel_gap exactly, where ``kernel_gap`` = the time no
+kernel was resident: the real idle time between kernels that graphs and PDL exist to remove (bench/itl.py's
+graph-minus-eager-regions figure is not that: eager regions are timed one by one). ``overlap`` =
+sum(busy) - sum(own), the PDL overlap. Every figure is the median over replays (of per-replay values:
+the totals are not sums of per-kernel medians).
+
+Beside it, the event-timed graph step of the timed graph and of the untimed one in the same run: their
+difference is the probe's own cost (a red.max per CTA at entry and wait, one per warp at exit), and the
+timed step minus ``span`` is what the stamps cannot see (graph launch, the first CTA's ramp before its
+entry stamp, the last warp's retirement). ``timer_quantum_ns`` is the gcd of all stamp differences: the
+globaltimer's update period as this GPU and driver run it (a single stamp is good to that, medians over
+replays to better)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+
+from .. import config
+from ..codegen import probe
+from .charts import pyplot
+from .itl import StepTimer, launch_layers
+from .mbu import REGIONS, ROLE_REGION
+
+ROLE_ORDER = ("embed", "qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up",
+              "down", "lm_head")   # the step's kernels in launch order within a layer (the chart's rows)
+REPS = 50
+
+
+def replay_times(stamps: np.ndarray) -> dict:
+    """One replay's arithmetic. ``stamps`` int64 [launches, 3] of (start, wait, end) in ns (probe.decode).
+    Offsets in ns from the first start; per launch busy, own and gap_before; totals span, union (sum of
+    own), kernel_gap (span - union) and overlap (sum of busy - union)."""
+    t = np.asarray(stamps, dtype=np.int64)
+    if (t < 0).any():
+        raise ValueError(f"probe slots never written: launches {sorted(set(np.nonzero(t < 0)[0].tolist()))}")
+    rel = t - t[:, 0].min()
+    start, wait, end = rel[:, 0], rel[:, 1], rel[:, 2]
+    own, gap = np.zeros(len(t), np.int64), np.zeros(len(t), np.int64)
+    covered = 0   # the latest end of the kernels that started before this one (intervals by start)
+    for i in np.argsort(start, kind="stable"):
+        gap[i] = max(0, start[i] - covered)
+        own[i] = max(0, end[i] - max(start[i], covered))
+        covered = max(covered, end[i])
+    busy = end - start
+    span = int(end.max())
+    return {"start": start, "wait": wait, "end": end, "busy": busy, "own": own, "gap_before": gap,
+            "span": span, "union": int(own.sum()), "kernel_gap": span - int(own.sum()),
+            "overlap": int(busy.sum() - own.sum()), "busy_sum": int(busy.sum())}
+
+
+def timer_quantum_ns(stamps: np.ndarray) -> int:
+    """gcd of every stamp's distance from the earliest: the timer's update period as observed (0: one value)."""
+    t = np.asarray(stamps, dtype=np.int64).ravel()
+    return int(np.gcd.reduce(t - t.min())) if t.size else 0
+
+
+def summarize(roles: list[str], stamps: np.ndarray) -> dict:
+    """Medians over replays. ``roles`` per launch; ``stamps`` int64 [reps, launches, 3] (probe.decode)."""
+    stamps = np.asarray(stamps, dtype=np.int64)
+    if stamps.ndim != 3 or stamps.shape[1:] != (len(roles), 3) or not len(stamps):
+        raise ValueError(f"stamps must be [reps >= 1, {len(roles)} launches, 3], got {stamps.shape}")
+    runs = [replay_times(s) for s in stamps]
+
+    def med_us(values) -> float:
+        return 1e-3 * statistics.median(values)
+
+    kernels = []
+    for i, (role, layer) in enumerate(zip(roles, launch_layers(roles))):
+        kernels.append({"index": i, "role": role, "region": ROLE_REGION[role], "layer": layer,
+                        **{f"{k}_us": med_us([int(r[k][i]) for r in runs])
+                           for k in ("start", "wait", "end", "busy", "own", "gap_before")}})
+    regions = {reg: med_us([sum(int(r["own"][i]) for i, role in enumerate(roles) if ROLE_REGION[role] == reg)
+                            for r in runs]) for reg in REGIONS}
+    totals = {f"{k}_us": med_us([r[k] for r in runs]) for k in ("span", "union", "kernel_gap", "overlap", "busy_sum")}
+    return {"reps": len(runs), "launches": len(roles), "kernels": kernels, "regions_own_us": regions, **totals,
+            "span_us_min": 1e-3 * min(r["span"] for r in runs), "span_us_max": 1e-3 * max(r["span"] for r in runs),
+            "timer_quantum_ns": timer_quantum_ns(stamps)}
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------
+
+def timed_decoder(dec, cfg: config.Config | None = None):
+    """A Decoder of the timed variants of ``dec``'s kernels (built, or fetched from the kernel cache) over
+    ``dec``'s own buffers and state."""
+    from .. import codegen
+    from ..runtime import driver
+    from ..runtime.decoder import Decoder
+    cfg = cfg or config.default()
+    used = {role for role, *_ in dec.sequence}   # a session's decoder holds the prefill's kernels too
+    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in dec.kernels.items() if role in used}
+    built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
+    kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
+    return Decoder(dec.shared, kernels, pdl=dec.pdl, bufs=dec.bufs)
+
+
+def probe_stamps(timed, token: int, pos: int, reps: int) -> np.ndarray:
+    """int64 [reps, launches, 3]: the timed graph replayed ``reps`` times from state (token, pos)."""
+    n = len(timed.sequence)
+    out = np.empty((reps, n * probe.SLOTS), np.uint64)
+    for r in range(reps):
+        timed.reset(token, pos=pos, step=pos)
+        timed.probe.memset_u32(0, timed.stream)   # arms every slot (probe.py), in stream order before the replay
+        timed.graph.launch(timed.stream)
+        timed.drain()   # the table is read after the replay finished (with a timeout: a hang is an error)
+        timed.probe.download(out[r])
+    timed.check_errors()
+    return probe.decode(out)
+
+
+def measure(dec, context: int, reps: int = REPS, token: int = 0, cfg: config.Config | None = None) -> dict:
+    """The timeline of ``dec``'s step (a captured Decoder) at ``context`` (pages for it reserved and
+    written, as for bench/itl.py), with the untimed and timed graph steps event-timed in the same run."""
+    pos = context - 1
+    timed = timed_decoder(dec, cfg)
+    try:
+        timed.reset(token, pos=pos, step=pos)
+        timed.launch_kernels()
+        timed.drain()
+        timed.check_errors()
+        timed.capture()   # after an eager step: every module loaded outside the capture
+        res = summarize([role for role, *_rest in timed.sequence], probe_stamps(timed, token, pos, reps))
+        steps = {}
+        for name, d in (("graph_step_us", dec), ("timed_graph_step_us", timed)):
+            timer = StepTimer(d)
+            try:
+                steps[name] = 1e6 * statistics.median(timer.whole(token, pos, reps, graph=True))
+            finally:
+                timer.close()
+    finally:
+        timed.close()
+    res.update(context=context, **steps, probe_overhead_us=steps["timed_graph_step_us"] - steps["graph_step_us"],
+               unseen_us=steps["timed_graph_step_us"] - res["span_us"])
+    for k, (_role, fn, launch, _args) in zip(res["kernels"], dec.sequence):
+        k.update(uri=fn.uri, grid=list(launch.grid), block=list(launch.block))
+    return res
+
+
+# ---- output -------------------------------------------------------------------------------------------
+
+def summary(tl: dict) -> str:
+    """A few lines for the bench table."""
+    return (f"timeline, in-graph %globaltimer stamps, median of {tl['reps']} replays at context {tl['context']}: "
+            f"span {tl['span_us']:.1f} us = kernels {tl['union_us']:.1f} + idle (kernel_gap) "
+            f"{tl['kernel_gap_us']:.1f} us; PDL overlap {tl['overlap_us']:.1f} us; graph step "
+            f"{tl['graph_step_us']:.1f} us untimed, {tl['timed_graph_step_us']:.1f} us timed (probe cost "
+            f"{tl['probe_overhead_us']:+.1f} us, outside the stamps {tl['unseen_us']:.1f} us); timer quantum "
+            f"{tl['timer_quantum_ns']} ns")
+
+
+def plot(tl: dict, path, title: str = "") -> str:
+    """One step as bars along time, one row per kernel role: the pre-wait part of each launch (weights
+    streaming while the predecessor drains) light, the rest solid, colour by region."""
+    plt = pyplot()
+    if plt is None:
+        return f"--timeline {path}: matplotlib is not installed, no chart written (the JSON has the numbers)"
+    rows = [r for r in ROLE_ORDER if any(k["role"] == r for k in tl["kernels"])]
+    colour = {reg: f"C{i}" for i, reg in enumerate(REGIONS)}
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.6))
+    for k in tl["kernels"]:
+        y, c = rows.index(k["role"]), colour[k["region"]]
+        pre = max(0.0, min(k["wait_us"], k["end_us"]) - k["start_us"])
+        ax.barh(y, pre, left=k["start_us"], height=0.7, color=c, alpha=0.3, linewidth=0)
+        ax.barh(y, k["end_us"] - k["start_us"] - pre, left=k["start_us"] + pre, height=0.7, color=c, linewidth=0)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(tl["span_us"], max(k["end_us"] for k in tl["kernels"])) * 1.01)
+    ax.set_xlabel("us from the step's first kernel start (light: before griddepcontrol.wait returned)")
+    ax.set_title((title + "\n" if title else "") + f"span {tl['span_us']:.1f} us, idle between kernels "
+                 f"{tl['kernel_gap_us']:.1f} us, graph step {tl.get('graph_step_us', math.nan):.1f} us "
+                 f"(median of {tl['reps']} replays)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -1,0 +1,106 @@
+"""The in-graph step timeline (bench/timeline.py) on the GPU, on the trained small test model:
+
+* the probe changes nothing the step computes: one replay of the timed graph gives the untimed graph's
+  logits and token bit for bit, from the same state (class (a): the same arithmetic, stamps aside);
+* every launch's slots are written, and per replay start <= wait <= end, starts follow launch order, and
+  no kernel's PDL wait returns before its predecessor's last warp left (griddepcontrol.wait waits for the
+  whole previous grid, so the stamps must say so if %globaltimer is one clock for every SM);
+* the kernels' own time and the idle kernel_gap each fit in the span, and the span fits in the event-timed
+  graph step of the timed graph (the stamps see a subset of what the events see);
+* the session's own decoder still works afterwards (the timed decoder ran over its buffers and freed only
+  its own)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from ._gpu_util import fresh_rng
+from nanoqwen.bench import timeline
+
+pytestmark = pytest.mark.gpu
+
+CONTEXT = 40   # crosses two page boundaries (16, 32) and ends on a tail
+REPS = 20
+
+
+def _fill(session, tokens) -> None:
+    """K/V for positions 0..len-1: the tokens fed one decode step each."""
+    sh, dec = session.state, session.decoder
+    session.runner.reserve(len(tokens) + 1)
+    sh.reset(int(tokens[0]))
+    for i, t in enumerate(tokens):
+        dec.step(i, feed=int(t) if i else None)
+    sh.drain()
+    sh.check_errors()
+
+
+def _one_step(session, dec, token: int, pos: int):
+    """One graph replay of ``dec`` from state (token, pos): (logits, token, device state after)."""
+    sh = session.state
+    dec.reset(token, pos=pos, step=pos)
+    dec.step(pos, read_token=True, read_logits=True)
+    sh.wait_step(pos)
+    sh.check_errors()
+    return sh.logits(), int(sh.tok_out[pos]), sh.read_state()
+
+
+@pytest.fixture(scope="module")
+def setup(sessions):
+    session = sessions("small-py")
+    rng = fresh_rng()
+    tokens = rng.integers(0, session.dims.vocab, CONTEXT).tolist()
+    _fill(session, tokens)
+    timed = timeline.timed_decoder(session.decoder)
+    pos = CONTEXT - 1
+    timed.reset(tokens[-1], pos=pos, step=pos)
+    timed.launch_kernels()
+    timed.drain()
+    timed.capture()
+    yield session, timed, tokens[-1], pos
+    timed.close()
+
+
+def test_timed_step_computes_the_untimed_steps_bits(setup):
+    session, timed, token, pos = setup
+    plain = _one_step(session, session.decoder, token, pos)
+    probed = _one_step(session, timed, token, pos)
+    assert np.array_equal(plain[0], probed[0]) and plain[1] == probed[1] and np.array_equal(plain[2], probed[2])
+    assert np.isfinite(plain[0]).all()
+
+
+def test_stamps_are_ordered_and_cover_every_launch(setup):
+    _session, timed, token, pos = setup
+    stamps = timeline.probe_stamps(timed, token, pos, REPS)
+    assert stamps.shape == (REPS, len(timed.sequence), 3) and (stamps > 0).all(), "a probe slot was never written"
+    start, wait, end = stamps[..., 0], stamps[..., 1], stamps[..., 2]
+    assert (start <= wait).all() and (wait <= end).all()
+    assert (np.diff(start, axis=1) >= 0).all(), "a kernel started before its predecessor"
+    assert (wait[:, 1:] >= end[:, :-1]).all(), "a PDL wait returned before the previous kernel's last warp left"
+    print(f"timer quantum {timeline.timer_quantum_ns(stamps)} ns", file=sys.stderr)
+
+
+def test_own_time_and_gap_fit_in_the_span_within_the_graph_step(setup):
+    session, _timed, token, _pos = setup
+    tl = timeline.measure(session.decoder, CONTEXT, reps=REPS, token=token)
+    roles = [role for role, *_rest in session.decoder.sequence]
+    assert [k["role"] for k in tl["kernels"]] == roles and tl["launches"] == len(roles)
+    assert all(k["start_us"] <= k["wait_us"] <= k["end_us"] for k in tl["kernels"])
+    assert tl["kernels"][0]["start_us"] == 0 and all(k["uri"] and k["grid"] for k in tl["kernels"])
+    assert 0 < tl["union_us"] <= tl["span_us"] and 0 <= tl["kernel_gap_us"] <= tl["span_us"]
+    assert sum(tl["regions_own_us"].values()) > 0
+    assert tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
+    assert tl["graph_step_us"] > 0 and tl["timed_graph_step_us"] > 0
+    print(timeline.summary(tl), file=sys.stderr)
+    print(json.dumps({k: v for k, v in tl.items() if k != "kernels"}, indent=1), file=sys.stderr)
+
+
+def test_the_sessions_decoder_still_runs_after_the_timeline(setup):
+    session, _timed, token, pos = setup
+    before = _one_step(session, session.decoder, token, pos)
+    timeline.measure(session.decoder, CONTEXT, reps=2, token=token)
+    after = _one_step(session, session.decoder, token, pos)
+    assert np.array_equal(before[0], after[0]) and before[1] == after[1]

@@ -1,0 +1,168 @@
+"""The server's host work per step with N streams, on the CPU: what the GPU would idle for between two
+batched steps (only a lone greedy stream launches its next step ahead; runtime/batchstep.py).
+
+A stand-in engine whose multi-sequence step costs nothing (``Instant``: the contract of runtime/batch.py,
+every row's argmax a fixed word, no logits) behind the real app in a server process of its own (uvicorn,
+the scheduler, the samplers, detokenization and stop matching, SSE and the event loop) serves N clients
+streaming greedy completions at once from this process; the server's wall time per step (its step count
+from /metrics) is then all host work. The steps include the admissions' prompt chunks.
+
+    python tools/measure_host_step.py [--streams 1 2 4 8 16] [--tokens 256] [--step-ms 1.7] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from nanoqwen import testmodels, tokenizer
+from nanoqwen.runtime.batch import PagesShort, Rows, Sequence
+from nanoqwen.runtime.prefix_cache import PrefixCache
+
+
+class Instant:
+    """The multi-sequence step as a wait of ``step_s`` (a GPU step the host waits for, releasing the GIL, so
+    the streams overlap as they do on the GPU): every row's argmax is ``token``; ``waited`` sums the waits."""
+    max_rows = 16
+
+    def __init__(self, token: int, step_s: float, pages: int = 4096, page_size: int = 16):
+        self.token, self.step_s, self.cache = token, step_s, PrefixCache(pages, page_size)
+        self.steps, self.waited = 0, 0.0
+
+    def open(self, prompt, total):
+        if not self.cache.can_start(total):
+            raise PagesShort("no pages")
+        return Sequence(self.cache.start(prompt, total), None, len(prompt), total)
+
+    def step(self, work):
+        t = time.perf_counter()
+        time.sleep(self.step_s)
+        out = []
+        for seq, tokens in work:
+            seq.pos += len(tokens)
+            out.append(Rows([self.token] * len(tokens)))
+        self.steps += 1
+        self.waited += time.perf_counter() - t
+        return out
+
+    def close(self, seq, tokens):
+        self.cache.keep(seq.lease, list(tokens[:seq.pos]))
+
+    def pages(self):
+        return self.cache.usage()
+
+
+class Engine:
+    name, cached_tokens, speculate, prompt_logits = "instant stand-in", 0, None, False
+
+    def __init__(self, token: int, context: int, step_s: float):
+        import dataclasses
+        dims = testmodels.tiny_dims()
+        self.context, self.batch = context, Instant(token, step_s)
+        self.dims = dataclasses.replace(dims, max_positions=context, vocab=2048)
+
+
+def serve(streams: int, context: int, step_s: float) -> None:
+    """The app over the stand-in engine on a free port of 127.0.0.1 (bound first and printed on stdout, as
+    ``nanoqwen serve --port 0`` does; uvicorn), with one route more: GET /stand-in, its steps and their
+    summed waits."""
+    import uvicorn
+    from nanoqwen.cli.serve import listen
+    from nanoqwen.serve.app import Server, create_app
+    from nanoqwen.serve.metrics import Metrics
+    from nanoqwen.serve.worker import Worker
+    tok = tokenizer.load(testmodels.SMALL_PY_DIR)
+    metrics = Metrics()
+    engine = Engine(tok.encode(" value")[0], context, step_s)
+    worker = Worker(lambda: (engine, tok), metrics, streams, log=lambda m: None, max_running=streams)
+    worker.start()
+    app = create_app(Server(worker, metrics, "m"))
+    app.get("/stand-in")(lambda: {"steps": engine.batch.steps, "waited_s": engine.batch.waited})
+    sock = listen("127.0.0.1", 0)
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def measure(streams: int, tokens: int, step_ms: float) -> dict:
+    """N clients (threads of this process, one kept-alive connection each) stream ``tokens`` each from a
+    stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
+    import subprocess
+    import httpx
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
+                             "--tokens", str(tokens), "--step-ms", str(step_ms)], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("the stand-in server did not start")
+            time.sleep(0.05)
+        clients = [httpx.Client(timeout=120) for _ in range(streams)]
+        barrier, done = threading.Barrier(streams + 1), []
+
+        def one(c):
+            barrier.wait()
+            with c.stream("POST", f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": tokens,
+                                                                 "temperature": 0, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    pass
+            done.append(time.perf_counter())
+
+        def stats() -> tuple[int, float]:
+            st = httpx.get(f"{url}/stand-in", timeout=30).json()
+            return st["steps"], st["waited_s"]
+        threads = [threading.Thread(target=one, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        n0, w0 = stats()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
+        wall = max(done) - t0
+        n1, w1 = stats()
+        n, waited = n1 - n0, w1 - w0
+        for c in clients:
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"streams": streams, "tokens_each": tokens, "steps": int(n), "wall_s": wall,
+            "step_wait_ms": 1e3 * waited / n, "host_ms_per_step": 1e3 * (wall - waited) / n}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--step-ms", type=float, default=1.7, help="the stand-in step's wait (the 7B's decode step)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the stand-in server's side
+    args = p.parse_args(argv)
+    if args.serve:
+        serve(max(args.streams), 4 * args.tokens, args.step_ms / 1e3)
+        return 0
+    rows = [measure(n, args.tokens, args.step_ms) for n in args.streams]
+    for r in rows:
+        print(f"{r['streams']:3d} streams: {r['host_ms_per_step']:.3f} ms of host work per step beside a "
+              f"{r['step_wait_ms']:.2f} ms step ({r['steps']} steps)")
+    if args.json:
+        import platform
+        args.json.write_text(json.dumps({"kind": "nanoqwen-host-step", "cpu": platform.processor() or platform.machine(),
+                                         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "cores": __import__("os").cpu_count(), "step_ms": args.step_ms,
+                                         "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
