@@ -28,7 +28,16 @@ class FakeRows:
     m, buckets, ms = 4, [2, 4], {}   # small, so that a step of several sequences needs several runs
 
     def __init__(self, dev):
-        self.dev, self.last, self.runs = dev, None, []
+        self.dev, self.last, self.runs, self.fed_forward = dev, None, [], 0
+
+    def feed_forward(self, positions):
+        """The last run again, each row fed its argmax there, at ``positions`` (the device computes it now;
+        ``collect`` hands its argmaxes over)."""
+        self.fed_forward += 1
+        self.argmax = self.run(self.argmax, positions, self.tables)
+
+    def collect(self, n):
+        return self.argmax[:n]
 
     def run(self, tokens, positions, tables, logits=False):
         kv, ref = self.dev.run.shared.kv, self.dev.ref
@@ -44,7 +53,8 @@ class FakeRows:
             kv.pages = loaded
         self.last = np.stack(out).astype(np.float32)
         self.runs.append(len(tokens))
-        return [int(np.argmax(row)) for row in self.last]
+        self.argmax, self.tables = [int(np.argmax(row)) for row in self.last], list(tables)
+        return self.argmax
 
     def logits(self, n):
         return self.last[:n].copy()
@@ -130,6 +140,40 @@ def test_a_lone_greedy_stream_runs_ahead_and_resumes_exactly(nqfile, monkeypatch
     batch.close(d.seq, d.prompt + d.gen)
     kept = [k for k in run.cache.kept.values() if k.tokens[0] == first[0]]
     assert kept[0].tokens == first + want[:-1]
+
+
+def test_greedy_rows_of_several_sequences_are_fed_forward(nqfile, monkeypatch):  # noqa: F811
+    """Greedy sequences decoding together (one row each, one run): each step launches the same run again
+    fed on the device, and the next step takes it; a sampled sequence, a prompt chunk or a finished sequence
+    in the step stops it, and a step that asks for other rows leaves it. Every sequence gets what it gets
+    alone."""
+    batch, run, dev = batch_device(nqfile, monkeypatch)
+    greedy = [(PROMPTS[i], n, Sampling()) for i, n in ((0, 9), (2, 12), (4, 6))]
+    got = serve(batch, greedy, 64)
+    assert all(got[i] == alone(nqfile, p, n, s) for i, (p, n, s) in enumerate(greedy))
+    assert run.rows.fed_forward >= 4, "no run was fed forward"
+    taken = run.rows.fed_forward
+    mixed = greedy + [(PROMPTS[1], 8, Sampling(temperature=0.8, seed=3))]
+    got = serve(batch, mixed, 64)
+    assert all(got[i] == alone(nqfile, p, n, s) for i, (p, n, s) in enumerate(mixed))
+    assert run.rows.fed_forward - taken < 4, "a step with a sampled row was fed forward"
+    # a run fed forward that the next step does not ask for (a sequence left): the others go on exactly
+    a, b, c = (Decoding(batch.open(p, len(p) + n - 1), p, n, s, max_rows=batch.max_rows) for p, n, s in greedy)
+    live = [a, b, c]
+    while live:
+        work = step_rows(live, 64)
+        for (d, _), rows in zip(work, batch.step([(d.seq, r) for d, r in work])):
+            d.advance(rows)
+        if a in live and len(a.gen) == 3:
+            assert batch.rows_ahead is not None and a.seq in batch.rows_ahead.seqs
+            batch.close(a.seq, [])   # the client left with a row of it fed forward
+            live.remove(a)
+            assert batch.rows_ahead is None
+        for d in [d for d in live if d.done]:
+            batch.close(d.seq, d.prompt + d.gen)
+            live.remove(d)
+    assert (b.gen, c.gen) == (alone(nqfile, *greedy[1]), alone(nqfile, *greedy[2]))
+    assert batch.rows_ahead is None
 
 
 def test_no_row_is_launched_past_the_last_one(nqfile, monkeypatch):  # noqa: F811

@@ -75,3 +75,24 @@ def test_each_bucket_is_timed_over_its_own_inputs(nqfile, monkeypatch):  # noqa:
     for m, positions, offsets in seen:
         assert positions == list(range(m)) and offsets == [0] * m, m
     assert rows.ms == {m: 1.0 for m in rows.buckets}
+
+
+def test_a_step_fed_forward_reads_its_argmaxes_and_the_next_positions(nqfile, monkeypatch):  # noqa: F811
+    """``feed_forward``: the same rows again, each fed on the device the argmax the last step left in
+    tokens_out (padding rows included), at the positions given (the last repeated into the padding), with
+    the table offsets and page-table rows of the last step untouched."""
+    s = session(nqfile, monkeypatch)
+    rows, T = s.rows, s.rows.table_len
+    a, b, c = [3, 9], [4, 1, 7], [12]
+    rows.run([10, 11, 12], [20, 33, 5], [a, b, c])
+    m = rows.bucket(3)
+    argmax = np.arange(100, 100 + m, dtype=np.int32)
+    at(rows.bufs.tokens_out.ptr, 4 * m).view(np.int32)[:] = argmax   # what the step's lm_head wrote
+    tables = device_ints(rows.bufs.row_tables, 3 * T).copy()
+    rows.feed_forward([21, 34, 6])
+    got = device_ints(rows.bufs.rows_in, 3 * rows.m)
+    assert got[:m].tolist() == argmax.tolist()
+    assert got[rows.m:rows.m + m].tolist() == [21, 34, 6] + [6] * (m - 3)
+    assert got[rows.m + m:rows.m + 2 * m].tolist() == [0, T, 2 * T] + [2 * T] * (m - 3)
+    assert (device_ints(rows.bufs.row_tables, 3 * T) == tables).all()
+    assert rows.collect(3) == argmax[:3].tolist()   # the fed-forward step's argmaxes, copied out after it

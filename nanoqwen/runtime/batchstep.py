@@ -12,11 +12,14 @@ A step runs its items on the one stream, decode rows first:
   its last position, as alone.
 Greedy rows take the device's argmax; logits are copied out only for sequences that asked for them.
 
-One stream decoding alone keeps the single-request path's pace: when a step is one greedy decode row, the
-next step of that sequence is launched before the host waits, fed on the device with this step's argmax
-(the Runner's launch-ahead, one step deep). The next ``step`` that asks for exactly that row (same
-sequence, position and token) takes its result; any other step leaves it: it wrote only the K/V of a
-position the sequence has not yet kept, which a later step overwrites or nobody reads.
+The GPU does not wait for the host between greedy steps: when a step is one greedy decode row, the next
+step of that sequence is launched before the host waits, fed on the device with this step's argmax (the
+Runner's launch-ahead, one step deep); when a step is greedy decode rows of several sequences, one row
+each and one multi-row run, the same run is launched again fed forward (``RowStep.feed_forward``: each row
+its argmax, its position + 1). The next ``step`` that asks for exactly those rows (same sequences in the
+same order, positions and tokens) takes the result; any other step leaves it: it wrote only the K/V of
+positions the sequences have not yet kept, which a later step overwrites with the same bits or nobody
+reads.
 
 The kernels' sticky error flags are copied out after each step's work and read once it is done, so a
 fault ends the step that saw it (or the next, for a launched-ahead step) with DecodeError."""
@@ -53,11 +56,21 @@ class Ahead:
     resets: int   # the device state's resets when it was launched: any other reset voids it
 
 
+@dataclass
+class RowsAhead:
+    """A multi-row run fed forward: one row of each of ``seqs``, fed the argmaxes ``tokens`` at
+    ``positions``."""
+    seqs: list[Sequence]
+    tokens: list[int]
+    positions: list[int]
+
+
 class BatchStep:
     def __init__(self, runner):
         self.runner, self.shared, self.cache, self.rows = runner, runner.shared, runner.cache, runner.rows
         self.max_rows = self.rows.m if self.rows is not None else 1
         self.ahead: Ahead | None = None
+        self.rows_ahead: RowsAhead | None = None
         self.host_err = driver.HostBuffer(4)
         self.done = driver.Event()
 
@@ -79,18 +92,19 @@ class BatchStep:
         lone = len(decode) == len(work) == 1 and len(work[0][1]) == 1
         if self.ahead is not None and not lone:
             self.ahead = None   # (a lone row matching it is taken below)
+        rows_ahead, self.rows_ahead = self.rows_ahead, None
         if lone:
             out[0] = self._lone(*work[0])
         elif sum(len(work[i][1]) for i in decode) == 1 or (decode and self.rows is None):
             for i in decode:
                 out[i] = self._single(*work[i])
         elif decode:
-            self._rows([(i, *work[i]) for i in decode], out)
+            self._rows([(i, *work[i]) for i in decode], out, rows_ahead, fed_forward=len(decode) == len(work))
         for i, (seq, tokens) in enumerate(work):
             if out[i] is None:
                 out[i] = self._prompt(seq, tokens)
         self._flags()
-        if self.ahead is None:   # else the lone row was waited for, and the step launched ahead runs on
+        if self.ahead is None and self.rows_ahead is None:   # else what was launched ahead runs on
             self.done.record(self.shared.stream)
             wait(self.done, "multi-sequence step")
         self._check()
@@ -99,6 +113,8 @@ class BatchStep:
     def close(self, seq: Sequence, tokens: list[int]) -> None:
         if self.ahead is not None and self.ahead.seq is seq:
             self.ahead = None
+        if self.rows_ahead is not None and any(s is seq for s in self.rows_ahead.seqs):
+            self.rows_ahead = None
         self.cache.keep(seq.lease, list(tokens[:seq.pos]))
 
     def pages(self) -> tuple[int, int, int]:
@@ -155,20 +171,32 @@ class BatchStep:
         seq.pos = pos + 1
         return Rows([tok], sh.logits()[None] if seq.logits else None)
 
-    def _rows(self, items: list, out: list) -> None:
+    def _rows(self, items: list, out: list, ahead: RowsAhead | None, fed_forward: bool) -> None:
         """Decode rows of several sequences, in order, cut into multi-row runs of the sizes ``split`` says (a
         sequence's rows may span two runs: the later run reads the K/V the earlier one appended, the same
-        bits); ``out[i]`` gets item i's Rows."""
+        bits); ``out[i]`` gets item i's Rows. ``ahead``: the run fed forward after the last step, taken when
+        these are its rows; ``fed_forward``: the step holds nothing else, so greedy rows of one run may be
+        fed forward again."""
         seqs = [s for _i, s, toks in items for _ in toks]
         tokens = [t for _i, _s, toks in items for t in toks]
         positions = [s.pos + j for _i, s, toks in items for j in range(len(toks))]
-        argmax, logits, at = [], [], 0
-        for n in split(len(tokens), self.rows.buckets, self.rows.ms):
-            want = any(s.logits for s in seqs[at:at + n])
-            argmax += self.rows.run(tokens[at:at + n], positions[at:at + n], [s.lease.pages for s in seqs[at:at + n]],
-                                    logits=want)
-            logits += list(self.rows.logits(n)) if want else [None] * n
-            at += n
+        runs = split(len(tokens), self.rows.buckets, self.rows.ms)
+        one_each = len(seqs) == len(items) and len(runs) == 1
+        if (ahead is not None and one_each and len(ahead.seqs) == len(seqs) and ahead.tokens == tokens
+                and ahead.positions == positions and all(a is s for a, s in zip(ahead.seqs, seqs))):
+            argmax, logits = self.rows.collect(len(seqs)), [None] * len(seqs)
+        else:
+            argmax, logits, at = [], [], 0
+            for n in runs:
+                want = any(s.logits for s in seqs[at:at + n])
+                argmax += self.rows.run(tokens[at:at + n], positions[at:at + n],
+                                        [s.lease.pages for s in seqs[at:at + n]], logits=want)
+                logits += list(self.rows.logits(n)) if want else [None] * n
+                at += n
+        if fed_forward and one_each and not any(s.logits or p + 1 >= s.total for s, p in zip(seqs, positions)):
+            nxt = [p + 1 for p in positions]
+            self.rows.feed_forward(nxt)
+            self.rows_ahead = RowsAhead(seqs, argmax, nxt)
         at = 0
         for i, seq, toks in items:
             n = len(toks)

@@ -57,6 +57,7 @@ class RowStep:
         self.host_out = driver.HostBuffer(4 * m)     # argmax per row
         self.host_logits = driver.HostBuffer(4 * m * shared.dims.vocab)   # the rows' logits, when asked
         self.host_tables = driver.HostBuffer(4 * m * self.table_len)   # the rows' sequences' page tables
+        self.host_next = driver.HostBuffer(4 * m)    # positions of a step fed forward on the device
         self.rows_in, self.rows_out = self.host_in.array(np.int32), self.host_out.array(np.int32)
         self.tables = self.host_tables.array(np.int32).reshape(m, self.table_len)
         self.sequences = {b: self._sequence(b) for b in self.buckets}
@@ -131,14 +132,36 @@ class RowStep:
         ``tables[r]``: row r's sequence's page list (rows of one sequence pass the same list); None: every
         row is of the sequence the KV cache's table holds (the verify). ``logits``: also copy the rows' fp32
         logits out (``logits()`` reads them)."""
-        n, s = len(tokens), self.shared.stream.handle
-        m = self.load(tokens, positions, tables)
+        self._replay(self.load(tokens, positions, tables), len(tokens), logits)
+        return self.collect(len(tokens))
+
+    def feed_forward(self, positions: list[int]) -> None:
+        """Launch the step after the last one, without waiting: the same rows (same bucket, same page-table
+        rows), each fed on the device the argmax it got there (a greedy row's next token; a padding row's
+        is its last real row's, whose bits it repeats) at ``positions`` (each one past the last step's).
+        ``collect`` waits for its argmaxes."""
+        n, s = len(positions), self.shared.stream.handle
+        m = self.bucket(n)
+        nxt = self.host_next.array(np.int32)
+        nxt[:m] = list(positions) + [positions[-1]] * (m - n)
+        check(cu.cuMemcpyDtoDAsync(self.bufs.rows_in.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "rows fed forward")
+        check(cu.cuMemcpyHtoDAsync(self.bufs.rows_in.ptr + 4 * self.m, self.host_next.ptr, 4 * m, s),
+              "positions fed forward")
+        self._replay(m, n, False)
+
+    def _replay(self, m: int, n: int, logits: bool) -> None:
+        """Bucket m's step over the inputs on the device, then its argmaxes (and the n real rows' logits)
+        copied out; ``done`` marks the end."""
+        s = self.shared.stream.handle
         self._launch(m)
         check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "multi-row argmax")
         if logits:
             check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab,
                                        s), "multi-row logits")
         self.done.record(self.shared.stream)
+
+    def collect(self, n: int) -> list[int]:
+        """The first n argmaxes of the last step launched, once it is done."""
         wait(self.done, f"multi-row step of {n} rows")
         return self.rows_out[:n].tolist()
 
@@ -205,6 +228,6 @@ class RowStep:
         for g in self.graphs.values():
             g.close()
         self.bufs.free()
-        for buf in (self.host_in, self.host_out, self.host_logits, self.host_tables):
+        for buf in (self.host_in, self.host_out, self.host_logits, self.host_tables, self.host_next):
             buf.free()
         self.done.close()
