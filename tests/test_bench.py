@@ -228,6 +228,8 @@ def test_results_table_renders_committed_results_only(tmp_path):
     (["bench", "7b", "--profile", "p.txt"], "expected a .json"),
     (["bench", "7b", "--timeline", "t.svg"], "expected a .png"),
     (["bench", "--kernels", "--timeline", "t.png"], "--kernels takes no --timeline"),
+    (["bench", "7b", "--timeline-rows", "8"], "--timeline-rows needs --timeline"),
+    (["bench", "7b", "--timeline", "t.png", "--timeline-rows", "3"], "--timeline-rows 3: not a multi-row bucket"),
 ])
 def test_cli_argument_errors(capsys, argv, msg):
     assert main(argv) == 1

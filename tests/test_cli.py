@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _corrupt import denied, fifo, symlink_loop
+from _signals import sigint_default
 
 from nanoqwen import __version__
 from nanoqwen.cli import gen, main, tune
@@ -177,7 +178,8 @@ def test_signal_during_pack_leaves_no_temporary(tmp_path, sig):
     out = tmp_path / "7b.nanoqwen"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     p = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "pack", "--random", "7b", "--workers", "1",
-                          "-o", str(out)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+                          "-o", str(out)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".7b.nanoqwen.*.tmp")):

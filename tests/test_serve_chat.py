@@ -15,6 +15,7 @@ import time
 import pytest
 
 from _serve_util import greedy
+from _signals import sigint_default
 from nanoqwen.paths import PACKAGE_DIR
 from nanoqwen.backends import ReferenceEngine
 from nanoqwen.modelcache import resolve
@@ -34,7 +35,7 @@ def chat(cache, *args, **kw):
     env = dict(os.environ, NANOQWEN_CACHE_DIR=str(cache), PYTHONPATH=str(PACKAGE_DIR.parent))
     return subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "chat", str(SMALL_PY_DIR), "--backend",
                              "reference", *args], env=env, text=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default, **kw)
 
 
 def test_turns_clear_and_exit(cache, monkeypatch):

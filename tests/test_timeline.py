@@ -20,7 +20,8 @@ from nanoqwen.codegen.spec import PROBE_PARAM, SpecError
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime.decoder import step_specs
 from nanoqwen.testmodels import tiny_dims
-from tests.test_bench import ROLE_US, FakeClock, FakeDecoder, FakeFn, FakeGraph, fake_driver, fake_result  # noqa: F401
+from tests.test_bench import (ROLE_US, FakeClock, FakeDecoder, FakeFn, FakeGraph, FakeLaunch,  # noqa: F401
+                              fake_driver, fake_result, fake_sequence)
 
 # every kernel of the 7B's decode step (m = 1, and the multi-row step's buckets) and the test model's
 STEPS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
@@ -256,3 +257,83 @@ def test_measure_reports_the_simulated_step(fake_driver, monkeypatch):
     assert tl["graph_step_us"] == pytest.approx(want[-1] - 5) == tl["timed_graph_step_us"]   # FakeGraph: -5 us
     assert tl["probe_overhead_us"] == 0 and tl["unseen_us"] == pytest.approx(-5)
     assert tl["kernels"][1]["uri"] == "qkv_kernel_abcd1234" and tl["kernels"][1]["grid"] == [132, 1, 1]
+
+
+# ---- the multi-row step's timeline (measure_rows) on a simulated device -------------------------------------
+
+class FakeRowStep:
+    """A captured RowStep of one bucket on the simulated clock: its graph replays the untimed launches."""
+
+    def __init__(self, m: int, layers: int):
+        self.m, self.pdl, self.loads = m, True, []
+        self.sequences = {m: [(r, FakeFn(r), FakeLaunch(), {}) for r, *_ in fake_sequence(layers)]}
+        self.graphs = {m: type("G", (), {"launch": lambda g, stream: self._replay(self.sequences[m])})()}
+        self.shared = type("Shared", (), {"stream": None, "drain": lambda sh: None, "check_errors": lambda sh: None})()
+
+    def _replay(self, seq):
+        for _r, fn, launch, args in seq:
+            fn.launch(launch, None, self.pdl, **args)
+        FakeClock.t -= 5e-6   # PDL overlap, as FakeGraph
+
+    def load(self, tokens, positions, tables=None):
+        self.loads.append((list(tokens), list(positions), tables))
+        return self.m
+
+
+def test_measure_rows_times_the_bucket_over_its_own_inputs(fake_driver, monkeypatch):
+    from contextlib import contextmanager
+    from nanoqwen.runtime import driver
+    rows = FakeRowStep(8, layers=2)
+    embed, *rest = rows.sequences[8]   # the m-row embed stays untimed, with no slot (as timed_rows leaves it)
+    table = FakeTable(len(rest))
+    timed = [embed] + [(r, StampingFn(r, table), launch, {"probe": i}) for i, (r, _f, launch, _a) in enumerate(rest)]
+    monkeypatch.setattr(timeline, "timed_rows", lambda rs, m, cfg=None: (timed, table))
+    table.free = lambda: None
+
+    @contextmanager
+    def capture(stream):
+        yield type("G", (), {"launch": lambda g, s: rows._replay(timed), "close": lambda g: None})()
+    monkeypatch.setattr(driver, "capture", capture)
+    FakeClock.t = 1.0
+    tl = timeline.measure_rows(rows, 8, context=100, reps=3)
+    assert {(tuple(t), tuple(p), tb) for t, p, tb in rows.loads} == {((0,) * 8, tuple(range(92, 100)), None)}
+    roles = [r for r, *_ in rows.sequences[8]][1:]
+    assert [k["role"] for k in tl["kernels"]] == roles and (tl["m"], tl["context"], tl["reps"]) == (8, 100, 3)
+    want = np.cumsum([0] + [ROLE_US[r] for r in roles])   # from the first timed launch's start
+    assert [k["end_us"] for k in tl["kernels"]] == pytest.approx(want[1:])
+    assert tl["graph_step_us"] == pytest.approx(want[-1] + ROLE_US["embed"] - 5) == tl["timed_graph_step_us"]
+    assert tl["unseen_us"] == pytest.approx(ROLE_US["embed"] - 5)
+    assert [k["uri"] for k in tl["kernels"]] == [f"{r}_kernel_abcd1234" for r in roles]
+    assert timeline.summary(tl).startswith("the 8-row step, in-graph %globaltimer stamps, median of 3 replays")
+
+
+def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
+    """timed_rows: bucket m's launch list in timed variants, each timed launch its own probe slots, the
+    m-row embed (the prefill's kernel, no probe hooks) untimed; the RowStep's own launch list untouched."""
+    from nanoqwen.runtime import driver
+
+    class Rows:
+        kernels = {4: {r: (spec, "untimed") for r, spec in step_specs(tiny_dims(), config.default(), m=4).items()}}
+        sequences = {4: [(r, "untimed", FakeLaunch(), {"h": 1}) for r, *_ in fake_sequence(2)]}
+
+    def build_many(specs, progress=None, cfg=None):
+        specs = list(specs)
+        for spec in specs:
+            assert spec.timed
+            spec.validate()
+        return specs
+
+    class Table:
+        ptr, nbytes = 4096, 0
+
+        def __init__(self, n):
+            self.nbytes = n
+    monkeypatch.setattr(codegen, "build_many", build_many)
+    monkeypatch.setattr(driver, "load", lambda spec: ("fn", spec.family))
+    monkeypatch.setattr(driver, "DeviceBuffer", Table)
+    seq, table = timeline.timed_rows(Rows, 4)
+    assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][:2] == ("embed", "untimed")
+    assert "probe" not in seq[0][3] and all(fn != "untimed" for _r, fn, *_ in seq[1:])
+    assert table.nbytes == probe.table_bytes(len(seq) - 1)
+    assert [a["probe"] for *_r, a in seq[1:]] == [4096 + 24 * i for i in range(len(seq) - 1)]
+    assert all(a["h"] == 1 for *_r, a in seq) and all(a == {"h": 1} for *_r, a in Rows.sequences[4])

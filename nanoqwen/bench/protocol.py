@@ -120,7 +120,8 @@ def check_protocol(warmup: int, prompt_tokens: int, gen_tokens: int, repetitions
 
 def run(model: str, warmup: int | None = None, prompt_tokens: int | None = None, gen_tokens: int | None = None,
         repetitions: int | None = None, baseline: bool = True, profile_path: Path | None = None,
-        timeline: bool = False, cfg: config.Config | None = None, log=None) -> dict:
+        timeline: bool = False, timeline_rows: int | None = None, cfg: config.Config | None = None,
+        log=None) -> dict:
     cfg = cfg or config.default()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     b = cfg.bench
@@ -193,6 +194,9 @@ def run(model: str, warmup: int | None = None, prompt_tokens: int | None = None,
             from . import timeline as tl
             log(f"timeline at context {ctx} (timed kernels, stamps inside the replayed graph) ...")
             result["timeline"] = tl.measure(session.decoder, ctx, cfg=cfg)
+            if timeline_rows:
+                log(f"timeline of the {timeline_rows}-row step at context {ctx} ...")
+                result["timeline_rows"] = tl.measure_rows(session.rows, timeline_rows, ctx, cfg=cfg)
         stream = driver.Stream()
         try:
             result["copy"] = kernels.copy_bandwidth(stream)
@@ -313,7 +317,7 @@ def itl_table(result: dict) -> str:
     lines.append(f"{'eager step':<16} {it['eager_step_ms']:>8.4f}   ({it['launches']} launches)")
     if "timeline" in result:
         from .timeline import summary
-        lines.append(summary(result["timeline"]))
+        lines += [summary(result[k]) for k in ("timeline", "timeline_rows") if k in result]
     if mb:
         lines.append(f"MBU: {mb['bytes_per_token'] / 1e9:.3f} GB/token at context {mb['context']}, copy bandwidth "
                      f"{mb['copy_GBps']:.0f} GB/s -> floor {mb['floor_ms_per_token']:.3f} ms/token; decode "

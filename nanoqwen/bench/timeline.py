@@ -149,11 +149,90 @@ def measure(dec, context: int, reps: int = REPS, token: int = 0, cfg: config.Con
     return res
 
 
+def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, object]:
+    """The launch list of bucket m of ``rows`` (a RowStep) over the step's own buffers and inputs, each
+    kernel in its timed variant with its own slots of a new probe table: (sequence, table). The one kernel
+    without probe hooks, the m-row embed (the prefill's embed_prefill), stays untimed and slotless: its
+    microsecond falls in ``unseen_us``. The RowStep itself is not touched."""
+    from .. import codegen
+    from ..runtime import driver
+    cfg = cfg or config.default()
+    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in rows.kernels[m].items()
+             if spec.timeable}
+    built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
+    fns = {role: driver.load(b) for role, b in zip(specs, built)}
+    seq = [(role, fns.get(role, fn), launch, dict(args)) for role, fn, launch, args in rows.sequences[m]]
+    timed = [args for role, _fn, _launch, args in seq if role in fns]
+    table = driver.DeviceBuffer(probe.table_bytes(len(timed)))
+    for i, args in enumerate(timed):
+        args[probe.PARAM_NAME] = table.ptr + probe.table_bytes(i)
+    return seq, table
+
+
+def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Config | None = None) -> dict:
+    """The timeline of bucket m of the multi-row step (``rows``, a captured RowStep): m rows of the loaded
+    sequence at positions context - m .. context - 1 (a verify's rows; pages for them reserved), its timed
+    kernels captured as one graph, replayed ``reps`` times over the same inputs (each rewrites the same
+    K/V bits); the untimed bucket graph and the timed one event-timed in the same run."""
+    from ..runtime import driver
+    stream, tokens, positions = rows.shared.stream, [0] * m, list(range(context - m, context))
+    seq, table = timed_rows(rows, m, cfg)
+    graph = None
+    try:
+        rows.load(tokens, positions)
+        for _role, fn, launch, args in seq:   # once eagerly: every module loaded outside the capture
+            fn.launch(launch, stream, rows.pdl, **args)
+        rows.shared.check_errors()
+        with driver.capture(stream) as graph:
+            for _role, fn, launch, args in seq:
+                fn.launch(launch, stream, rows.pdl, **args)
+        stamped = [i for i, (*_rest, args) in enumerate(seq) if probe.PARAM_NAME in args]
+        out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
+        for r in range(reps):
+            rows.load(tokens, positions)
+            table.memset_u32(0, stream)   # arms every slot, in stream order before the replay
+            graph.launch(stream)
+            rows.shared.drain()
+            table.download(out[r])
+        rows.shared.check_errors()
+        res = summarize([seq[i][0] for i in stamped], probe.decode(out))
+        steps = {name: 1e6 * statistics.median(_replay_s(rows, launch, tokens, positions, reps))
+                 for name, launch in (("graph_step_us", rows.graphs[m].launch), ("timed_graph_step_us", graph.launch))}
+    finally:
+        if graph is not None:
+            graph.close()
+        table.free()
+    res.update(m=m, context=context, **steps, probe_overhead_us=steps["timed_graph_step_us"] - steps["graph_step_us"],
+               unseen_us=steps["timed_graph_step_us"] - res["span_us"])
+    for k, i in zip(res["kernels"], stamped):
+        _role, fn, launch, _args = rows.sequences[m][i]
+        k.update(uri=fn.uri, grid=list(launch.grid), block=list(launch.block))
+    return res
+
+
+def _replay_s(rows, launch, tokens: list[int], positions: list[int], reps: int) -> list[float]:
+    """Seconds per replay of ``launch(stream)`` over the step's inputs, between events around it."""
+    from ..runtime import driver
+    stream, start, end, out = rows.shared.stream, driver.Event(), driver.Event(), []
+    try:
+        for _ in range(reps):
+            rows.load(tokens, positions)
+            start.record(stream)
+            launch(stream)
+            end.record(stream)
+            out.append(1e-3 * driver.Event.elapsed_ms(start, end))
+    finally:
+        start.close()
+        end.close()
+    return out
+
+
 # ---- output -------------------------------------------------------------------------------------------
 
 def summary(tl: dict) -> str:
     """A few lines for the bench table."""
-    return (f"timeline, in-graph %globaltimer stamps, median of {tl['reps']} replays at context {tl['context']}: "
+    step = f"the {tl['m']}-row step" if "m" in tl else "timeline"
+    return (f"{step}, in-graph %globaltimer stamps, median of {tl['reps']} replays at context {tl['context']}: "
             f"span {tl['span_us']:.1f} us = kernels {tl['union_us']:.1f} + idle (kernel_gap) "
             f"{tl['kernel_gap_us']:.1f} us; PDL overlap {tl['overlap_us']:.1f} us; graph step "
             f"{tl['graph_step_us']:.1f} us untimed, {tl['timed_graph_step_us']:.1f} us timed (probe cost "

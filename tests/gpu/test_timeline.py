@@ -8,7 +8,9 @@
 * the kernels' own time and the idle kernel_gap each fit in the span, and the span fits in the event-timed
   graph step of the timed graph (the stamps see a subset of what the events see);
 * the session's own decoder still works afterwards (the timed decoder ran over its buffers and freed only
-  its own)."""
+  its own);
+* the multi-row step's timeline (``measure_rows``): every timed launch of the bucket stamped in order, its
+  own time within the span, and the session's multi-row step gives the same argmaxes before and after."""
 
 from __future__ import annotations
 
@@ -104,3 +106,17 @@ def test_the_sessions_decoder_still_runs_after_the_timeline(setup):
     timeline.measure(session.decoder, CONTEXT, reps=2, token=token)
     after = _one_step(session, session.decoder, token, pos)
     assert np.array_equal(before[0], after[0]) and before[1] == after[1]
+
+
+def test_the_multi_row_steps_timeline(setup):
+    session, _timed, _token, _pos = setup
+    rows, m = session.rows, 4
+    positions = list(range(CONTEXT - m, CONTEXT))
+    before = rows.run([7] * m, positions)
+    tl = timeline.measure_rows(rows, m, CONTEXT, reps=REPS)
+    roles = [role for role, *_rest in rows.sequences[m]][1:]   # the m-row embed runs untimed
+    assert [k["role"] for k in tl["kernels"]] == roles and tl["m"] == m
+    assert all(k["start_us"] <= k["wait_us"] <= k["end_us"] for k in tl["kernels"])
+    assert 0 < tl["union_us"] <= tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
+    assert rows.run([7] * m, positions) == before
+    print(timeline.summary(tl), file=sys.stderr)
