@@ -8,9 +8,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from . import NanoqwenError
 import numpy as np
 
+from . import NanoqwenError
 from .runtime.batch import Decoding, PagesShort, Rows, Sequence
 from .runtime.drafters import DraftModel, SpeculateError, Speculation
 from .runtime.generate import check_request

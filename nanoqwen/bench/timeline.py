@@ -142,9 +142,15 @@ def measure(dec, context: int, reps: int = REPS, token: int = 0, cfg: config.Con
                 timer.close()
     finally:
         timed.close()
-    res.update(context=context, **steps, probe_overhead_us=steps["timed_graph_step_us"] - steps["graph_step_us"],
+    return _finished(res, steps, dec.sequence, context=context)
+
+
+def _finished(res: dict, steps: dict, launches: list, **extra) -> dict:
+    """``summarize``'s result with the event-timed graph steps and what follows from them (the probe's cost,
+    what the stamps cannot see), and each kernel's URI and grid from its untimed ``launches``."""
+    res.update(**extra, **steps, probe_overhead_us=steps["timed_graph_step_us"] - steps["graph_step_us"],
                unseen_us=steps["timed_graph_step_us"] - res["span_us"])
-    for k, (_role, fn, launch, _args) in zip(res["kernels"], dec.sequence):
+    for k, (_role, fn, launch, _args) in zip(res["kernels"], launches):
         k.update(uri=fn.uri, grid=list(launch.grid), block=list(launch.block))
     return res
 
@@ -178,14 +184,16 @@ def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Confi
     stream, tokens, positions = rows.shared.stream, [0] * m, list(range(context - m, context))
     seq, table = timed_rows(rows, m, cfg)
     graph = None
+
+    def launch_all() -> None:
+        for _role, fn, launch, args in seq:
+            fn.launch(launch, stream, rows.pdl, **args)
     try:
         rows.load(tokens, positions)
-        for _role, fn, launch, args in seq:   # once eagerly: every module loaded outside the capture
-            fn.launch(launch, stream, rows.pdl, **args)
+        launch_all()   # once eagerly: every module loaded outside the capture
         rows.shared.check_errors()
         with driver.capture(stream) as graph:
-            for _role, fn, launch, args in seq:
-                fn.launch(launch, stream, rows.pdl, **args)
+            launch_all()
         stamped = [i for i, (*_rest, args) in enumerate(seq) if probe.PARAM_NAME in args]
         out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
         for r in range(reps):
@@ -202,12 +210,7 @@ def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Confi
         if graph is not None:
             graph.close()
         table.free()
-    res.update(m=m, context=context, **steps, probe_overhead_us=steps["timed_graph_step_us"] - steps["graph_step_us"],
-               unseen_us=steps["timed_graph_step_us"] - res["span_us"])
-    for k, i in zip(res["kernels"], stamped):
-        _role, fn, launch, _args = rows.sequences[m][i]
-        k.update(uri=fn.uri, grid=list(launch.grid), block=list(launch.block))
-    return res
+    return _finished(res, steps, [rows.sequences[m][i] for i in stamped], m=m, context=context)
 
 
 def _replay_s(rows, launch, tokens: list[int], positions: list[int], reps: int) -> list[float]:

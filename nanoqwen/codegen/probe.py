@@ -17,7 +17,7 @@ byte for byte what it was, and the file is not a *.cuh header (those are in ever
 %globaltimer (PTX ISA, special registers) is "a predefined, 64-bit global nanosecond timer", common to all
 SMs; the ISA promises no resolution. Its update period is a property of the GPU and driver (tens of ns on
 recent parts, 1 us has been reported on others), so a single stamp is only good to that period: the
-bench reports the smallest step it saw (``timer_step_ns``) and medians over many replays."""
+bench reports the period it saw (``timer_quantum_ns``) and medians over many replays."""
 
 from __future__ import annotations
 
