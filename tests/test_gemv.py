@@ -212,6 +212,34 @@ def test_multirow_spec_keeps_what_decides_a_rows_order(dims, role):
         assert hint in codegen.render(spec)
 
 
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
+    """A tuned m-row tile (gemv.MULTIROW_TILE) re-tiles rows, warps, unroll and the batch prefetch; the order
+    fields stay the m = 1 kernel's, the grid fits one wave, and anything else is refused before compiling."""
+    one = gemv.role_spec(role, QWEN25_7B, CFG)
+    tile = {"rows": 2, "unroll": 1, "prefetch": True, **({} if one.norm else {"warps": 8})}
+    spec = gemv.multirow_spec(one, 8, CFG, tile=tile)
+    assert all(getattr(spec, f) == getattr(one, f) for f in ORDER_FIELDS + (("warps",) if one.norm else ()))
+    assert (spec.m, spec.rows, spec.unroll, spec.prefetch) == (8, 2, 1, True)
+    assert "constexpr bool PREFETCH = true;" in codegen.render(spec)
+    grid = spec.launch().grid
+    assert grid[0] * grid[1] <= spec.resident_ctas() * DEFAULT_GPU.sm_count
+    with pytest.raises(SpecError, match="would change a row's order"):
+        gemv.multirow_spec(one, 8, CFG, tile={"lanes": 8})
+    with pytest.raises(SpecError, match="from role_spec"):
+        gemv.multirow_spec(one, 1, CFG, tile={"rows": 2})
+    if one.norm:
+        with pytest.raises(SpecError, match="RMSNorm"):
+            gemv.multirow_spec(one, 8, CFG, tile={"warps": 2 * one.warps})
+
+
+def test_prefetch_keeps_the_loads_a_lane_can_hold():
+    """PREFETCH holds two batches in registers: the 32-loads-per-lane bound counts both."""
+    _spec(k=4096, rows=4, unroll=4, prefetch=True).validate()
+    with pytest.raises(SpecError, match="x2 with prefetch"):
+        _spec(k=4096, rows=8, unroll=4, prefetch=True).validate()
+
+
 def test_small_py_shares_the_tiny_kernels():
     """The small-py test model has the tiny model's shapes, so test_kernels_compile's tiny cases (m = 1..16,
     no spills, no local memory) compile exactly its kernels."""

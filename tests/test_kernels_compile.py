@@ -11,7 +11,6 @@ import pytest
 
 from nanoqwen import codegen, config
 from nanoqwen.codegen import cache, gpu, kernels, resources
-from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B, ModelDims
 from nanoqwen.codegen import tuned
 
@@ -26,13 +25,10 @@ def _tiny_dims() -> ModelDims:
 
 
 MODELS = {"7b": QWEN25_7B, "tiny": _tiny_dims()}
-# the config defaults plus every tuned variant tune/tuned.json holds for these dims (any GPU), plus the
-# multi-row step's m > 1 kernels (config multirow.buckets), from the defaults and from the tuned tiles
-BUCKETS = [m for m in config.default().multirow.buckets if m > 1]
-SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + tuned.tuned_specs(dims, config.default())
-                                  + codegen.multirow_kernels(dims)
-                                  + [gemv.multirow_spec(s, m) for s in tuned.tuned_specs(dims, config.default())
-                                     for m in BUCKETS]))
+# the config defaults plus the multi-row step's m > 1 kernels (config multirow.buckets), plus every GEMV the
+# decoder builds from the tiles tune/tuned.json holds for these dims (any GPU, m = 1 and each bucket)
+SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + codegen.multirow_kernels(dims)
+                                  + tuned.tuned_specs(dims, config.default())))
          for name, dims in MODELS.items()}
 CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 

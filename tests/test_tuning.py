@@ -36,9 +36,11 @@ def tmp_store(tmp_path, monkeypatch):
     """The user's tuned results under a fresh cache root (the shipped file is read beside it, never written)."""
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
     store.lookup_params.cache_clear()
+    store.lookup_base.cache_clear()
     tuned._notice_once.cache_clear()
     yield store.user_path()
     store.lookup_params.cache_clear()
+    store.lookup_base.cache_clear()
 
 
 def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
@@ -54,6 +56,41 @@ def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
     store.merge_write({key: {"params": {"rows": 3}}}, {}, tmp_store)          # rows 3 is impossible
     assert tuned.role_spec("qkv", QWEN25_7B, CFG, gpu) == default
     assert "stale tuned entry" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_multirow_candidates_keep_the_single_row_order(role):
+    """The m-row sweep starts with the default re-tiling and keeps the m = 1 kernel's order fields (and its
+    warps where the RMSNorm prologue is ordered by them) in every candidate."""
+    one = gemv.role_spec(role, QWEN25_7B, CFG)
+    cands, _ = space.multirow_candidates(one, 8, CFG)
+    assert cands[0] == gemv.multirow_spec(one, 8, CFG) and len(set(cands)) == len(cands) > 1
+    for spec in cands:
+        assert (spec.m, spec.lanes, spec.splitk, spec.k, spec.n) == (8, one.lanes, one.splitk, one.k, one.n)
+        assert not one.norm or spec.warps == one.warps
+    assert any(s.prefetch for s in cands) and {s.rows for s in cands} > {one.rows}
+    assert space.tile_params(cands[-1]).keys() == set(gemv.MULTIROW_TILE)
+
+
+def test_multirow_entry_holds_beside_its_single_row_kernel(tmp_store, capsys):
+    """An m-row entry is used with the m = 1 kernel it was tuned beside; none: the default re-tiling without a
+    notice; tuned beside another m = 1 kernel: stale, default, one notice."""
+    gpu = "Test GPU"
+    one = gemv.role_spec("down", QWEN25_7B, CFG)
+    assert tuned.role_spec("down", QWEN25_7B, CFG, gpu, 8) == gemv.multirow_spec(one, 8, CFG)
+    capsys.readouterr()
+    tile = {"rows": 1, "warps": 8, "unroll": 1, "prefetch": True}
+    key = tuned.entry_key("down", QWEN25_7B, CFG, gpu, 8)
+    assert key.endswith("|down|n3584_k18944_m8") and key != tuned.entry_key("down", QWEN25_7B, CFG, gpu)
+    store.merge_write({key: {"params": tile, "base_uri": one.uri, "m": 8}}, {"gpu": gpu}, tmp_store)
+    spec = tuned.role_spec("down", QWEN25_7B, CFG, gpu, 8)
+    assert spec == gemv.multirow_spec(one, 8, CFG, tile=tile) and spec.prefetch
+    assert spec in tuned.tuned_specs(QWEN25_7B, CFG)
+    assert tuned.role_spec("down", QWEN25_7B, CFG, gpu, 4) == gemv.multirow_spec(one, 4, CFG)   # other buckets
+    assert "stale" not in capsys.readouterr().err
+    store.merge_write({key: {"params": tile, "base_uri": "gemv_int4_other", "m": 8}}, {}, tmp_store)
+    assert tuned.role_spec("down", QWEN25_7B, CFG, gpu, 8) == gemv.multirow_spec(one, 8, CFG)
+    assert "tuned beside another m = 1 kernel" in capsys.readouterr().err
 
 
 def test_merge_keeps_other_entries_and_leaves_no_temp_files(tmp_store):
@@ -107,7 +144,9 @@ def test_unknown_format_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("argv,msg", [(["--kernels", "attention"], "no tuner for attention"),
                                       (["--roles", "qkv,lm"], "unknown role"),
-                                      (["--budget", "0"], "must be positive")])
+                                      (["--budget", "0"], "must be positive"),
+                                      (["--rows", "3"], "not a list of multirow buckets"),
+                                      (["--rows", "8,x"], "not a list of multirow buckets")])
 def test_cli_errors_are_one_line(argv, msg, capsys):
     assert tune_cli.main(argv) == 1
     err = capsys.readouterr().err

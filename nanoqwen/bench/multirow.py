@@ -74,7 +74,7 @@ def run(stream: driver.Stream, copy_GBps: float, dims: ModelDims = QWEN25_7B, cf
     cfg = cfg or config.default()
     buckets = cfg.multirow.buckets
     rng = np.random.default_rng()
-    todo = [(role, gemv.multirow_spec(tuned.role_spec(role, dims, cfg, gpu_name), m, cfg)) for role in roles
+    todo = [(role, tuned.role_spec(role, dims, cfg, gpu_name, m)) for role in roles
             for m in buckets]
     todo += [("lm_head", lm_head.model_spec(dims, cfg, m=m)) for m in buckets]
     built = codegen.build_many([s for _, s in todo], progress=codegen.ProgressLine())

@@ -1,7 +1,9 @@
-"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--budget SECONDS] [--repo]`: sweep
-the INT4 GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in the user's
-tuned results (<cache root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which ships
-with the package), which the decoder and `nanoqwen bench --kernels` read at startup."""
+"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--rows M,...] [--budget SECONDS] [--repo]`:
+sweep the INT4 GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in the
+user's tuned results (<cache root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which
+ships with the package), which the decoder and `nanoqwen bench --kernels` read at startup. --rows sweeps
+the multi-row step's kernels of those buckets instead (gemv_int4_rows), beside the m = 1 kernels this GPU
+has: each candidate's rows must be bitwise the m = 1 kernel's."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ def _main(argv) -> int:
     p.add_argument("--model", default="7b", help="whose shapes: 7b, a .nanoqwen file or a HF directory")
     p.add_argument("--kernels", default="gemv", help="kernel families to tune (comma-separated; only gemv so far)")
     p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="GEMV roles (comma-separated)")
+    p.add_argument("--rows", default="1", metavar="M,...",
+                   help="multirow buckets whose m-row kernels to sweep (default 1: the decode kernels)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop judging new candidates after this long (resume later: progress is kept)")
     p.add_argument("--repo", action="store_true",
@@ -35,12 +39,21 @@ def _main(argv) -> int:
         raise NanoqwenError(f"--roles: unknown role(s) {', '.join(bad)} (known: {', '.join(gemv.ROLES)})")
     if args.budget <= 0:
         raise NanoqwenError(f"--budget must be positive, got {args.budget}")
+    buckets = config.default().multirow.buckets
+    try:
+        ms = [int(v) for v in args.rows.split(",") if v.strip()]
+    except ValueError:
+        ms = []
+    if not ms or any(m not in buckets for m in ms):
+        raise NanoqwenError(f"--rows: {args.rows!r} is not a list of multirow buckets "
+                            f"({', '.join(map(str, buckets))}; config multirow.buckets)")
     from .gen import model_dims
     from ..codegen import tuned_store as store
     from ..tuning import sweep
     out = store.repo_path() if args.repo else store.user_path()
     dims = model_dims(args.model)
-    summary = sweep.tune(dims, config.default(), roles, args.budget, log=lambda m: print(m, flush=True), out=out)
+    summary = [r for m in ms for r in sweep.tune(dims, config.default(), roles, args.budget / len(ms),
+                                                  log=lambda line: print(line, flush=True), out=out, m=m)]
     print(sweep.table(summary))
     if summary:
         print(f"stored in {out}")

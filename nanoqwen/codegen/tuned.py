@@ -1,6 +1,7 @@
 """What the decoder builds on a given GPU: the tuned tile parameters of tune/tuned.json for (GPU, arch,
-role, shape) when a valid entry exists, else the config defaults with a one-line notice (missing entry,
-or a stale one the current spec rules out)."""
+role, shape[, m rows]) when a valid entry exists, else the config defaults with a one-line notice (missing
+entry, or a stale one the current spec rules out). An m-row entry holds only beside the m = 1 kernel it was
+tuned with (its URI is in the entry): rows keep that kernel's order, so a re-tuned m = 1 tile makes it stale."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import cache
 
 from .. import config
 from ..dims import ModelDims
+from .gpu import DEFAULT, GpuProfile
 from . import tuned_store
 from .kernels import gemv
 from .spec import SpecError
@@ -18,12 +20,32 @@ def _notice_once(message: str) -> None:
     tuned_store.notice(message)
 
 
-def entry_key(role: str, dims: ModelDims, cfg: config.Config, gpu: str) -> str:
+def entry_key(role: str, dims: ModelDims, cfg: config.Config, gpu: str, m: int = 1) -> str:
     n, k = gemv.role_shape(role, dims)
-    return tuned_store.key(gpu, cfg.codegen.arch, gemv.GemvInt4Spec.family, role, n, k)
+    return tuned_store.key(gpu, cfg.codegen.arch, gemv.GemvInt4Spec.family, role, n, k, m)
 
 
-def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -> gemv.GemvInt4Spec:
+def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None, m: int = 1,
+              profile: GpuProfile = DEFAULT) -> gemv.GemvInt4Spec:
+    """The role's kernel over m rows on `gpu` (None: the config defaults)."""
+    one = _single_row(role, dims, cfg, gpu)
+    if m == 1 or gpu is None:
+        return gemv.multirow_spec(one, m, cfg, profile)
+    key = entry_key(role, dims, cfg, gpu, m)
+    params = tuned_store.lookup_params(key)
+    if params is None:
+        return gemv.multirow_spec(one, m, cfg, profile)   # m-row tiles are optional: no notice
+    if tuned_store.lookup_base(key) != one.uri:
+        _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 kernel): config defaults")
+        return gemv.multirow_spec(one, m, cfg, profile)
+    try:
+        return gemv.multirow_spec(one, m, cfg, profile, tile=params)
+    except (SpecError, TypeError) as e:
+        _notice_once(f"stale tuned entry {key} ({e}): config defaults")
+        return gemv.multirow_spec(one, m, cfg, profile)
+
+
+def _single_row(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -> gemv.GemvInt4Spec:
     default = gemv.role_spec(role, dims, cfg)
     if gpu is None:
         return default
@@ -41,8 +63,11 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -
 
 
 def tuned_specs(dims: ModelDims, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
-    """Every tuned GEMV the store holds for these dims, any GPU: CI compiles them too (no spills)."""
-    gpus = {k.split("|")[0] for k in tuned_store.load()["entries"]}
-    specs = [role_spec(role, dims, cfg, gpu) for gpu in sorted(gpus) for role in gemv.ROLES
-             if tuned_store.lookup_params(entry_key(role, dims, cfg, gpu)) is not None]
+    """Every GEMV the decoder builds, m = 1 and each multirow bucket, for each GPU and role the store has a
+    tuned entry for (any m): CI compiles them too (no spills)."""
+    keys = tuned_store.load()["entries"]
+    gpus = sorted({k.split("|")[0] for k in keys})
+    tuned = [(gpu, role) for gpu in gpus for role in gemv.ROLES
+             if any(entry_key(role, dims, cfg, gpu, m) in keys for m in cfg.multirow.buckets)]
+    specs = [role_spec(role, dims, cfg, gpu, m) for gpu, role in tuned for m in cfg.multirow.buckets]
     return list(dict.fromkeys(specs))

@@ -25,8 +25,9 @@ class StoreError(NanoqwenError):
     pass
 
 
-def key(gpu: str, arch: str, family: str, role: str, n: int, k: int) -> str:
-    return f"{gpu}|{arch}|{family}|{role}|n{n}_k{k}"
+def key(gpu: str, arch: str, family: str, role: str, n: int, k: int, m: int = 1) -> str:
+    """m > 1: the m-row kernel's entry (its tile beside the m = 1 kernel it derives from)."""
+    return f"{gpu}|{arch}|{family}|{role}|n{n}_k{k}" + (f"_m{m}" if m > 1 else "")
 
 
 def shipped_path() -> Path:
@@ -83,12 +84,20 @@ def merge_write(entries: dict, meta: dict, path: Path | None = None) -> None:
         os.unlink(tmp)
         raise
     lookup_params.cache_clear()
+    lookup_base.cache_clear()
 
 
 @cache
 def lookup_params(k: str) -> dict | None:
     entry = load()["entries"].get(k)
     return None if entry is None else dict(entry["params"])
+
+
+@cache
+def lookup_base(k: str) -> str | None:
+    """An m-row entry's m = 1 kernel (its URI): the tile holds only beside that kernel."""
+    entry = load()["entries"].get(k)
+    return None if entry is None else entry.get("base_uri")
 
 
 def notice(message: str) -> None:

@@ -40,7 +40,7 @@ def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_
     the prefill's embed (a copy, the same bits)."""
     rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile, m)
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
-            **{role: gemv.multirow_spec(tuned.role_spec(role, dims, cfg, gpu), m, cfg, profile) for role in gemv.ROLES},
+            **{role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,
             "attention_combine": attention_combine, "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
 

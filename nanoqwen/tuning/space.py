@@ -17,6 +17,9 @@ class SpaceError(NanoqwenError):
     pass
 
 
+ROWS_SPACE = "gemv_int4_rows"   # the m-row kernels' re-tilings (gemv.MULTIROW_TILE), swept per bucket
+
+
 @cache
 def spaces() -> dict[str, dict[str, list]]:
     path = paths.data_path("tune", "spaces.yaml")
@@ -24,13 +27,13 @@ def spaces() -> dict[str, dict[str, list]]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise SpaceError(f"{path}: cannot load search spaces: {e}") from None
-    params = gemv.GemvInt4Spec.parameters()
+    allowed = {gemv.GemvInt4Spec.family: gemv.GemvInt4Spec.parameters(), ROWS_SPACE: gemv.MULTIROW_TILE}
     for family, space in data.items():
-        if family != gemv.GemvInt4Spec.family:
+        if family not in allowed:
             raise SpaceError(f"{path}: no tuner for kernel family {family!r}")
         for name, values in space.items():
-            if name not in params:
-                raise SpaceError(f"{path}: {family}.{name} is not a template parameter")
+            if name not in allowed[family]:
+                raise SpaceError(f"{path}: {family}.{name} is not a template parameter it may sweep")
             if not isinstance(values, list) or not values:
                 raise SpaceError(f"{path}: {family}.{name} must be a non-empty list")
     return data
@@ -54,6 +57,27 @@ def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config) -> tuple[lis
     return out, rejected
 
 
+def multirow_candidates(one: gemv.GemvInt4Spec, m: int, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
+    """(valid m-row kernels beside the m = 1 kernel `one`, number ruled out): the default re-tiling first,
+    then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order)."""
+    space = spaces()[ROWS_SPACE]
+    names = list(space)
+    out, rejected = [gemv.multirow_spec(one, m, cfg)], 0
+    for values in itertools.product(*(space[n] for n in names)):
+        tile = dict(zip(names, values))
+        if one.norm:
+            tile.pop("warps", None)   # the RMSNorm's order: warps stays one's
+        try:
+            spec = gemv.multirow_spec(one, m, cfg, tile=tile)
+        except SpecError:
+            rejected += 1
+            continue
+        if spec not in out:
+            out.append(spec)
+    return out, rejected
+
+
 def tile_params(spec: gemv.GemvInt4Spec) -> dict:
-    """The tunable fields of a spec (what the tuned-results file stores)."""
-    return {n: getattr(spec, n) for n in spaces()[spec.family]}
+    """The tunable fields of a spec (what the tuned-results file stores): m > 1, the re-tiling."""
+    names = gemv.MULTIROW_TILE if spec.m > 1 else spaces()[spec.family]
+    return {n: getattr(spec, n) for n in names}

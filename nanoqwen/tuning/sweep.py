@@ -2,8 +2,9 @@
 (in parallel, on the CPU), checked against the numpy answer on the GPU (a fast wrong kernel is discarded
 and reported), then timed the way decode runs it (graph back-to-back with PDL, weights rotating through
 more than L2). The best per (GPU, shape) goes into the tuned-results store (the user's file unless told
-otherwise). Progress is kept per candidate in a side file under the cache root, so an interrupted sweep
-resumes where it stopped."""
+otherwise). With m > 1 it sweeps the m-row kernels of one multirow bucket beside this GPU's m = 1 kernels,
+and a candidate must also give every row bitwise what the m = 1 kernel gives that row alone. Progress is
+kept per candidate in a side file under the cache root, so an interrupted sweep resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from .. import codegen, config
 from ..bench import kernels as kbench
-from ..bench.gemv_case import GemvCase
+from ..bench.gemv_case import GemvCase, bits, rel_err
 from ..codegen import tuned
 from ..codegen import tuned_store as store
 from ..dims import ModelDims
@@ -42,8 +43,9 @@ class _Progress:
         os.replace(tmp, self.path)
 
 
-def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print, out=None) -> list[dict]:
-    """Sweep `roles`; merge the winners into the tuned-results file ``out`` (default: the user's)."""
+def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print, out=None, m: int = 1) -> list[dict]:
+    """Sweep `roles` (m > 1: their m-row kernels); merge the winners into the tuned-results file ``out``
+    (default: the user's)."""
     dev = driver.device()
     gpu = dev.props.name
     stream, rng = driver.Stream(), np.random.default_rng()
@@ -54,14 +56,19 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     tol = cfg.validation.gemv_rel_tol
     summary, entries = [], {}
     for role in roles:
-        cands, ruled_out = space.gemv_candidates(role, dims, cfg)
-        log(f"{role}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
-        built = codegen.build_many(cands, progress=codegen.ProgressLine(), return_exceptions=True)
+        one = tuned.role_spec(role, dims, cfg, gpu)   # m > 1: the m = 1 kernel whose rows the candidates keep
+        cands, ruled_out = (space.gemv_candidates(role, dims, cfg) if m == 1
+                            else space.multirow_candidates(one, m, cfg))
+        log(f"{role}{f' m={m}' if m > 1 else ''}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
+        built = codegen.build_many(cands + [one] * (m > 1), progress=codegen.ProgressLine(), return_exceptions=True)
         # candidates differ only in tile parameters: one set of buffers (and one numpy answer) serves all
         case = GemvCase(cands[0], rng, kbench.rotating_copies(cands[0], cfg.bench.l2_rotate_bytes))
         deadline = time.monotonic() + budget_s / len(roles)   # compiling is not judging: the clock starts now
         best = None
         try:
+            if m > 1 and isinstance(built[-1], Exception):
+                raise built[-1]
+            alone = None if m == 1 else bits(case.alone(driver.load(built.pop()), one, stream))
             for i, (spec, b) in enumerate(zip(cands, built)):
                 if isinstance(b, Exception):
                     log(f"  {spec.uri}: compile error: {str(b).splitlines()[0]}")
@@ -71,10 +78,12 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
                     if time.monotonic() > deadline:
                         log(f"{role}: budget spent after {i}/{len(cands)} candidates")
                         break
-                    res = _judge(spec, b, case, stream, blocker, copy, tol)
+                    res = _judge(spec, b, case, stream, blocker, copy, tol, alone)
                     progress.add(_pkey(b), res)
                 if res["status"] == "wrong":
                     log(f"  DISCARDED {spec.uri}: rel err {res['rel_err']:.2e} > {tol} (fast but wrong)")
+                elif res["status"] == "rows differ":
+                    log(f"  DISCARDED {spec.uri}: rows {res['rows']} differ from the m = 1 kernel's bits")
                 elif res["status"] == "ok" and (best is None or res["us"] < best[1]["us"]):
                     best = (spec, res)
                 if (i + 1) % 10 == 0 or i + 1 == len(cands):
@@ -87,14 +96,15 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
             log(f"{role}: no valid timing for the config default; nothing stored")
             continue
         spec, res = best
-        entries[tuned.entry_key(role, dims, cfg, gpu)] = {
+        key = tuned.entry_key(role, dims, cfg, gpu, m)
+        entries[key] = {
             "params": space.tile_params(spec), "uri": spec.uri, "us": res["us"], "GBps": res["GBps"],
             "pct_copy": res["pct_copy"], "default_params": space.tile_params(cands[0]),
             "default_us": default_res["us"], "default_pct_copy": default_res["pct_copy"],
             "rel_err": res["rel_err"], "candidates": len(cands),
             "judged": sum(not isinstance(b, Exception) and _pkey(b) in progress.done for b in built),
-            "copy_GBps": copy}
-        summary.append({"role": role, **entries[tuned.entry_key(role, dims, cfg, gpu)]})
+            "copy_GBps": copy, **({"m": m, "base_uri": one.uri} if m > 1 else {})}
+        summary.append({"role": role, **entries[key]})
     blocker.free()
     stream.close()
     if entries:
@@ -108,11 +118,16 @@ def _pkey(built) -> str:
     return built.path.name
 
 
-def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float) -> dict:
+def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float, alone=None) -> dict:
+    """`alone`: the m = 1 kernel's bits row by row (m > 1), which every row must equal."""
     if built.resources.spill_stores or built.resources.local_bytes:
         return {"status": "spills"}
     fn = driver.load(built)
-    err = case.check(fn, spec, stream)
+    out = case.run(fn, spec, stream)
+    if alone is not None and not np.array_equal(bits(out), alone):
+        rows = np.flatnonzero((bits(out) != alone).reshape(spec.m, -1).any(axis=1))
+        return {"status": "rows differ", "rows": rows.tolist()}
+    err = rel_err(out, case.expected)
     if not err <= tol:
         return {"status": "wrong", "rel_err": err}
     r = kbench.row("", spec, kbench.time_spec(case, fn, spec, stream, blocker), copy_GBps, case.copies)
@@ -121,10 +136,10 @@ def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float) -> 
 
 
 def table(summary: list[dict]) -> str:
-    head = f"{'role':<8} {'default us':>10} {'%copy':>6} | {'tuned us':>8} {'%copy':>6} | {'gain':>6}  params"
+    head = f"{'role':<8} {'m':>2} {'default us':>10} {'%copy':>6} | {'tuned us':>8} {'%copy':>6} | {'gain':>6}  params"
     lines = [head, "-" * len(head)]
     for r in summary:
         gain = r["default_us"] / r["us"] - 1
-        lines.append(f"{r['role']:<8} {r['default_us']:>10.2f} {r['default_pct_copy']:>5.1f}% | {r['us']:>8.2f} "
+        lines.append(f"{r['role']:<8} {r.get('m', 1):>2} {r['default_us']:>10.2f} {r['default_pct_copy']:>5.1f}% | {r['us']:>8.2f} "
                      f"{r['pct_copy']:>5.1f}% | {100 * gain:>5.1f}%  {r['params']}")
     return "\n".join(lines)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanoqwen import codegen, config, quant
+from nanoqwen import codegen, config
 from nanoqwen import reference as R
-from nanoqwen.bench.gemv_case import GemvCase, rel_err
+from nanoqwen.bench.gemv_case import GemvCase, bits, random_int4, rel_err
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime import driver
 from nanoqwen.testmodels import tiny_dims
 from nanoqwen.codegen import tuned
+from nanoqwen.codegen import tuned_store as store
 
 pytestmark = pytest.mark.gpu
 
@@ -31,14 +32,6 @@ MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
 # every variant, plus every tuned tile tune/tuned.json holds (tuned kernels must be as right as the defaults)
 CASES = [(m, s) for m, d in MODELS.items()
          for s in dict.fromkeys(gemv.variants(d, CFG) + tuned.tuned_specs(d, CFG))]
-
-
-def random_int4(rng, n: int, k: int):
-    """(packed uint32 [n, k/8], scales fp16 [n, k/group], exact f32 weights)."""
-    q = rng.integers(-7, 8, size=(n, k), dtype=np.int8)
-    scales = rng.uniform(0.002, 0.02, size=(n, k // CFG.quant.group_size)).astype(np.float16)
-    packed = quant.pack(q)
-    return packed, scales, quant.dequantize(packed, scales)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +81,8 @@ def test_pdl_chain_in_graph_sees_previous_output(model):
     rng = np.random.default_rng()
     o_spec, qkv_spec = gemv.role_spec("o_proj", dims, CFG), gemv.role_spec("qkv", dims, CFG)
     o_fn, qkv_fn = (driver.load(b) for b in codegen.build_many([o_spec, qkv_spec]))
-    wo, so, wo_f = random_int4(rng, o_spec.n, o_spec.k)
-    wq, sq, wq_f = random_int4(rng, qkv_spec.n, qkv_spec.k)
+    wo, so, wo_f = random_int4(rng, o_spec.n, o_spec.k, o_spec.group)
+    wq, sq, wq_f = random_int4(rng, qkv_spec.n, qkv_spec.k, qkv_spec.group)
     x = rng.standard_normal(o_spec.k).astype(np.float16)
     h0 = (rng.standard_normal(dims.hidden) * 3).astype(np.float32)
     norm_w = rng.uniform(0.5, 1.5, size=dims.hidden).astype(np.float16)
@@ -122,117 +115,59 @@ def test_pdl_chain_in_graph_sees_previous_output(model):
 # ---- the multi-row step: every row bitwise the m = 1 kernel on that row alone ----------------------------
 
 MULTIROW_MS = (1, 2, 3, 4, 8, 16)   # the buckets, plus 3 (not a power of two)
+# Re-tilings an m-row kernel may choose (gemv.MULTIROW_TILE) beside the default one: the batch loaded
+# ahead of the math, and twice the rows per lane group.
+TILES = ({"unroll": 1, "prefetch": True}, {"rows": 2, "unroll": 1, "prefetch": True})
 
 
-class RowsCase:
-    """One role's weights with m rows of random activations (fresh each run), run through the m-row kernel
-    and, row by row, through the m = 1 kernel; `massive` plants Qwen2-style massive activations in those
-    rows only (the others stay ordinary)."""
-
-    def __init__(self, spec1, specm, rng, massive_rows=()):
-        self.spec1, self.specm, m = spec1, specm, specm.m
-        n, k = spec1.n, spec1.k
-        self.bufs = []
-        self.weights, mats = {}, []
-        for i in range(spec1.mats):
-            packed, scales, w = random_int4(rng, n, k)
-            self.weights[f"w{i}"], self.weights[f"s{i}"] = self._dev(packed), self._dev(scales)
-            mats.append(w)
-        self.host = {}
-        if spec1.norm:
-            h = (rng.standard_normal((m, k)) * 3).astype(np.float32)
-            norm_w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
-            if massive_rows:   # x = f16(h / rms * w) saturates to +-65504 in those rows only
-                big = rng.choice(k, 4, replace=False)
-                norm_w[big] = 4096.0
-                h[:, big] *= 1e-3   # ordinary rows: x stays ordinary (|x| < 2^8: no prescale) at those inputs
-                for a in massive_rows:
-                    h[a, big] = rng.choice([-1e5, 1e5], 4)
-            self.host["h"], self.shared = h, {"norm_w": self._dev(norm_w)}
-            x = R.rmsnorm_f16(h, norm_w, spec1.eps)
-        else:
-            x = rng.standard_normal((m, k)).astype(np.float16)
-            for a in massive_rows:
-                x[a, rng.choice(k, 4, replace=False)] = rng.choice([-65504.0, 65504.0], 4)
-            self.host["x"], self.shared = x, {}
-        ys = [R.gemv(w, x) for w in mats]   # [m, n] each
-        self.out_dtype = np.float16 if spec1.out_f16 else np.float32
-        self.y0 = None
-        if spec1.epilogue == "residual":
-            self.y0 = rng.standard_normal((m, n)).astype(np.float32)
-            ref = self.y0 + ys[0]
-        elif spec1.epilogue == "bias":
-            bias = rng.standard_normal(n).astype(np.float16)
-            self.shared["bias"] = self._dev(bias)
-            ref = ys[0] + bias.astype(np.float32)
-        elif spec1.epilogue == "swiglu":
-            ref = R.swiglu(ys[0], ys[1])
-        else:
-            ref = ys[0]
-        self.expected = R.f16(ref) if spec1.out_f16 else ref
-
-    def _dev(self, a):
-        b = driver.DeviceBuffer.from_array(np.ascontiguousarray(a))
-        self.bufs.append(b)
-        return b
-
-    def run(self, fn, spec, rows: slice) -> np.ndarray:
-        """Launch `spec` on activation rows `rows` (poisoned output, or the residual's y0), return [rows, n]."""
-        name = "h" if spec.norm else "x"
-        act = self._dev(self.host[name][rows])
-        y = driver.DeviceBuffer(spec.m * spec.n * np.dtype(self.out_dtype).itemsize)
-        self.bufs.append(y)
-        if self.y0 is not None:
-            y.upload(self.y0[rows])
-        else:
-            y.poison()
-        fn.launch(spec.launch(), None, False, **self.weights, **self.shared, **{name: act}, y=y)
-        driver.device().synchronize()
-        return y.download(dtype=self.out_dtype, shape=(spec.m, spec.n))
-
-    def free(self):
-        for b in self.bufs:
-            b.free()
+def _tuned_multirow():
+    """(model, m = 1 kernel, m-row kernel) of every m-row tile tune/tuned.json holds for these dims."""
+    keys = store.load()["entries"]
+    gpus = sorted({k.split("|")[0] for k in keys})
+    return [(model, tuned.role_spec(role, dims, CFG, gpu), tuned.role_spec(role, dims, CFG, gpu, m))
+            for model, dims in MODELS.items() for gpu in gpus for role in gemv.ROLES
+            for m in CFG.multirow.buckets if m > 1 and tuned.entry_key(role, dims, CFG, gpu, m) in keys]
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint16 if a.dtype == np.float16 else np.uint32)
-
-
-MULTIROW_CASES = [(model, role, m) for model in MODELS for role in gemv.ROLES for m in MULTIROW_MS]
+MULTIROW_CASES = list(dict.fromkeys(
+    [(model, gemv.role_spec(role, MODELS[model], CFG), gemv.role_spec(role, MODELS[model], CFG, m=m))
+     for model in MODELS for role in gemv.ROLES for m in MULTIROW_MS]
+    + [("7b", one, gemv.multirow_spec(one, m, CFG, tile=t))
+       for one in (gemv.role_spec(role, QWEN25_7B, CFG) for role in gemv.ROLES) for t in TILES for m in (2, 8)]
+    + _tuned_multirow()))
 
 
 @pytest.fixture(scope="module")
 def multirow_fns():
-    specs = list(dict.fromkeys(gemv.role_spec(role, MODELS[model], CFG, m=m) for model, role, m in MULTIROW_CASES))
+    specs = list(dict.fromkeys(s for _, one, many in MULTIROW_CASES for s in (one, many)))
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
 
 
-def _check_rows(multirow_fns, model, role, m, massive_rows=()):
-    dims = MODELS[model]
-    spec1, specm = gemv.role_spec(role, dims, CFG), gemv.role_spec(role, dims, CFG, m=m)
-    case = RowsCase(spec1, specm, np.random.default_rng(), massive_rows)
+def _check_rows(multirow_fns, spec1, specm, massive_rows=()):
+    m = specm.m
+    case = GemvCase(specm, np.random.default_rng(), massive_rows=massive_rows)
     try:
-        many = case.run(multirow_fns[specm], specm, slice(0, m))
-        for a in range(m):
-            alone = case.run(multirow_fns[spec1], spec1, slice(a, a + 1))[0]
-            assert np.isfinite(many[a]).all(), f"{specm.uri}: row {a} has non-finite outputs"
-            assert np.array_equal(_bits(many[a]), _bits(alone)), (
-                f"{specm.uri}: row {a} differs from the m = 1 kernel in {np.count_nonzero(many[a] != alone)} "
-                f"of {spec1.n} outputs")
-            tol = 2 * TOL if a in massive_rows else TOL   # see test_massive_activations_stay_finite_and_exact
-            err = rel_err(many[a], case.expected[a])
-            assert err <= tol, f"{specm.uri}: row {a}: rel err {err:.3e} > {tol}"
+        many = case.run(multirow_fns[specm], specm).reshape(m, -1)
+        alone = case.alone(multirow_fns[spec1], spec1).reshape(m, -1)
+        expected = case.expected.reshape(m, -1)
     finally:
         case.free()
+    for a in range(m):
+        assert np.array_equal(bits(many[a]), bits(alone[a])), (
+            f"{specm.uri}: row {a} differs from the m = 1 kernel in {np.count_nonzero(many[a] != alone[a])} "
+            f"of {spec1.n} outputs")
+        tol = 2 * TOL if a in massive_rows else TOL   # see test_massive_activations_stay_finite_and_exact
+        err = rel_err(many[a], expected[a])
+        assert err <= tol, f"{specm.uri}: row {a}: rel err {err:.3e} > {tol}"
 
 
-@pytest.mark.parametrize("model,role,m", MULTIROW_CASES, ids=[f"{a}-{b}-m{c}" for a, b, c in MULTIROW_CASES])
-def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, role, m):
+@pytest.mark.parametrize("model,spec1,specm", MULTIROW_CASES,
+                         ids=[f"{a}-{c.uri}" for a, _, c in MULTIROW_CASES])
+def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, spec1, specm):
     """Each row of the m-row kernel equals the m = 1 kernel run on that row alone, bit for bit (class (a):
     the same arithmetic per row by construction), and the numpy reference within the GEMV tolerance
     (class (b))."""
-    _check_rows(multirow_fns, model, role, m)
+    _check_rows(multirow_fns, spec1, specm)
 
 
 @pytest.mark.parametrize("m", [2, 8, 16])
@@ -240,4 +175,5 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, role, m):
 def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, role, m):
     """A row with massive activations prescales itself alone: the ordinary rows beside it (and the massive
     row itself) stay bitwise their m = 1 outputs (class (a))."""
-    _check_rows(multirow_fns, "7b", role, m, massive_rows=(1,))
+    _check_rows(multirow_fns, gemv.role_spec(role, QWEN25_7B, CFG), gemv.role_spec(role, QWEN25_7B, CFG, m=m),
+                massive_rows=(1,))

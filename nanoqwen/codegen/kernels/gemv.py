@@ -49,6 +49,7 @@ class GemvInt4Spec(KernelSpec):
     warps: int = 4                 # warps per CTA
     tiles_per_warp: int = 1        # tiles each warp walks in turn (x staged once per CTA)
     unroll: int = 0                # chunk iterations per load batch (0 = all of them: one batch per tile)
+    prefetch: bool = False         # load the next batch before this one's math (two batches in registers)
     splitk: int = 1                # K splits across blockIdx.y (residual epilogue only)
     m: int = 1                     # activation rows sharing each weight read (1..16; the multi-row step)
 
@@ -166,10 +167,10 @@ class GemvInt4Spec(KernelSpec):
                             f"{DEFAULT.max_smem}")
         if not 0 < self.eps < 1:
             raise SpecError(f"{f}.eps must be in (0, 1), got {self.eps}")
-        loads = self.mats * self.rows * self.unroll_eff
+        loads = self.mats * self.rows * self.unroll_eff * (2 if self.prefetch else 1)
         if loads > 32:
-            raise SpecError(f"{f}: {loads} 16-byte loads in flight per lane (mats*rows*unroll) exceed 32: "
-                            f"the registers would spill")
+            raise SpecError(f"{f}: {loads} 16-byte loads in flight per lane (mats*rows*unroll, x2 with prefetch) "
+                            f"exceed 32: the registers would spill")
         try:
             self.launch()   # the grid within the CUDA limits
         except SpecError as e:
@@ -246,28 +247,41 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
 
 
 # Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
-# header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest. m rows of x take
-# m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: at least
-# multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid fits in one wave at the
-# residency the staged x allows (every CTA stages x once; no CTA waits for a slot). Not swept yet
-# (nanoqwen-tune covers m = 1); docs/perf-notes.md predicts the costs.
+# header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest (MULTIROW_TILE). m rows
+# of x take m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: by default at
+# least multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid
+# fits in one wave at the residency the staged x allows (every CTA stages x once; no CTA waits for a slot).
+# `nanoqwen-tune --rows M` sweeps MULTIROW_TILE per bucket (tune/tuned.json; codegen/tuned.py).
+
+MULTIROW_TILE = ("rows", "warps", "unroll", "prefetch")   # what an m-row kernel may choose for itself
 
 
 def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
-                  gpu: GpuProfile = DEFAULT) -> GemvInt4Spec:
-    """The m-row kernel whose every row is bitwise `spec`'s output for that row (m = 1: `spec` itself)."""
-    if m == spec.m:
+                  gpu: GpuProfile = DEFAULT, tile: dict | None = None) -> GemvInt4Spec:
+    """The m-row kernel whose every row is bitwise `spec`'s output for that row (m = 1: `spec` itself).
+    `tile`: MULTIROW_TILE fields in place of the defaults (a tuned entry); tiles_per_warp is always the
+    fewest that fit the grid in one wave."""
+    if m == spec.m and not tile:
         return spec
     if spec.m != 1:
         raise SpecError(f"{spec.family}: multirow_spec derives from an m = 1 spec, got m={spec.m}")
-    out = dataclasses.replace(spec, m=m)
+    tile = dict(tile or {})
+    if tile and m == 1:
+        raise SpecError(f"{spec.family}: an m = 1 kernel takes its tile from role_spec, not multirow_spec")
+    if set(tile) - set(MULTIROW_TILE):
+        raise SpecError(f"{spec.family}: an m-row kernel may choose only {', '.join(MULTIROW_TILE)}; "
+                        f"{', '.join(sorted(set(tile) - set(MULTIROW_TILE)))} would change a row's order")
+    if spec.norm and tile.get("warps", spec.warps) != spec.warps:
+        raise SpecError(f"{spec.family}: the RMSNorm prologue's sum is ordered by the block size: warps stays "
+                        f"{spec.warps} for every m, got {tile['warps']}")
+    out = dataclasses.replace(spec, m=m, **tile)
     if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
         # More warps only where the block size is not in a row's arithmetic: the RMSNorm prologue sums each
         # thread's share of h and then the warps' sums, so its order (and a row's bits) depends on warps. And
         # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4.
-        if spec.splitk == 1 and not spec.norm:
+        if not tile and spec.splitk == 1 and not spec.norm:
             out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
-        tpw = spec.tiles_per_warp
+        tpw = 1 if tile else spec.tiles_per_warp
         while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
             tpw += 1
         out = dataclasses.replace(out, tiles_per_warp=tpw)
