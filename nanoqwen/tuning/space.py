@@ -39,42 +39,33 @@ def spaces() -> dict[str, dict[str, list]]:
     return data
 
 
-def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
-    """(valid candidate specs for `role`, number ruled out by the spec's constraints). The config default
-    is always first, so a sweep can never end worse than the fallback."""
-    space = spaces()[gemv.GemvInt4Spec.family]
-    names = list(space)
-    default = gemv.role_spec(role, dims, cfg)
+def _product(space: dict[str, list], default, make) -> tuple[list, int]:
+    """([default] + every distinct valid make(params) over the space's cross product, number ruled out)."""
     out, rejected = [default], 0
-    for values in itertools.product(*(space[n] for n in names)):
+    for values in itertools.product(*space.values()):
         try:
-            spec = gemv.role_spec(role, dims, cfg, **dict(zip(names, values)))
+            spec = make(dict(zip(space, values)))
         except SpecError:
             rejected += 1
             continue
         if spec not in out:
             out.append(spec)
     return out, rejected
+
+
+def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
+    """(valid candidate specs for `role`, number ruled out by the spec's constraints). The config default
+    is always first, so a sweep can never end worse than the fallback."""
+    return _product(spaces()[gemv.GemvInt4Spec.family], gemv.role_spec(role, dims, cfg),
+                    lambda params: gemv.role_spec(role, dims, cfg, **params))
 
 
 def multirow_candidates(one: gemv.GemvInt4Spec, m: int, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
     """(valid m-row kernels beside the m = 1 kernel `one`, number ruled out): the default re-tiling first,
-    then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order)."""
-    space = spaces()[ROWS_SPACE]
-    names = list(space)
-    out, rejected = [gemv.multirow_spec(one, m, cfg)], 0
-    for values in itertools.product(*(space[n] for n in names)):
-        tile = dict(zip(names, values))
-        if one.norm:
-            tile.pop("warps", None)   # the RMSNorm's order: warps stays one's
-        try:
-            spec = gemv.multirow_spec(one, m, cfg, tile=tile)
-        except SpecError:
-            rejected += 1
-            continue
-        if spec not in out:
-            out.append(spec)
-    return out, rejected
+    then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order; the
+    RMSNorm roles keep its warps, which order the prologue's sum)."""
+    space = {n: v for n, v in spaces()[ROWS_SPACE].items() if not (one.norm and n == "warps")}
+    return _product(space, gemv.multirow_spec(one, m, cfg), lambda tile: gemv.multirow_spec(one, m, cfg, tile=tile))
 
 
 def tile_params(spec: gemv.GemvInt4Spec) -> dict:
