@@ -1,8 +1,9 @@
 """Prefill kernel benchmark: each 7B prefill GEMM (INT4 tensor-core, nanoqwen/codegen/kernels/gemm.py) at
 M = 512 and 4096 against the dense fp16 rate of the same device measured in the same run (torch.matmul
 fp16 of the same [M, K] x [K, N] shape, cuBLAS; skipped when torch is absent), each shape also with the
-tile VARIANTS below (tuning data: the spec fields to pick per shape), plus the causal prefill attention
-and the projected prefill time of the 28 layers (default tiles).
+tile VARIANTS below (tuning data: the spec fields to pick per shape), then the wgmma GEMM (gemm_wgmma,
+issue 23; not used by the runtime yet) on the same shape with `inflight` 1 and 0, plus the causal prefill
+attention and the projected prefill time of the 28 layers (default mma.sync tiles).
 
 Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 512 4096] [--json FILE]``.
 Timing: events around one launch, after warm-up; median of ``REPS``. Weights are reused across calls
@@ -21,6 +22,7 @@ import numpy as np
 from .. import codegen, config, quant
 from ..codegen.kernels import attention_prefill as AP
 from ..codegen.kernels import gemm as G
+from ..codegen.kernels import gemm_wgmma as GW
 from ..dims import QWEN25_7B
 from ..runtime import driver
 
@@ -70,7 +72,8 @@ def _torch_fp16_s(m: int, n: int, k: int) -> float | None:
     return statistics.median(ts)
 
 
-def bench_gemm(spec: G.GemmInt4Spec, m: int, stream, rng, with_fp16: bool = True) -> dict:
+def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, with_fp16: bool = True) -> dict:
+    """One GEMM (either family: one kernel contract) on random data; the fp16 cuBLAS time of its shape."""
     rows = spec.n // 2 if spec.epilogue == "swiglu" else spec.n
     q = rng.integers(-7, 8, size=(rows, spec.k), dtype=np.int8)
     packed, scales = quant.pack(q), rng.uniform(0.002, 0.02, size=(rows, spec.k // spec.group)).astype(np.float16)
@@ -114,8 +117,9 @@ def bench_attention(n: int, stream, rng) -> dict:
 
 def run(ms=(512, 4096)) -> dict:
     stream, rng = driver.Stream(), np.random.default_rng(0)
-    gemms = G.model_gemms(QWEN25_7B, config.default().quant.group_size)
-    out = {"gemm": [], "attention": []}
+    group = config.default().quant.group_size
+    gemms, wgmmas = G.model_gemms(QWEN25_7B, group), GW.model_gemms(QWEN25_7B, group)
+    out = {"gemm": [], "wgmma": [], "attention": []}
     for m in ms:
         for role, default in gemms.items():
             for kw in VARIANTS:
@@ -124,9 +128,19 @@ def run(ms=(512, 4096)) -> dict:
                 spec = replace(default, **kw)
                 r = bench_gemm(spec, m, stream, rng, with_fp16=not kw) | {"role": role, "variant": kw}
                 out["gemm"].append(r)
+                if not kw:
+                    fp16_s = r["fp16_s"]
                 base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
                       f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({base})", flush=True)
+            for inflight in (1, 0):   # the wgmma GEMM beside them, against the same fp16 time
+                spec = replace(wgmmas[role], inflight=inflight)
+                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": {"inflight": inflight}}
+                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
+                out["wgmma"].append(r)
+                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'wgmma inflight=' + str(inflight):45s} "
+                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({vs})", flush=True)
         a = bench_attention(m, stream, rng)
         out["attention"].append(a)
         print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
