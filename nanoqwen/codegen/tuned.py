@@ -29,20 +29,21 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None, m
               profile: GpuProfile = DEFAULT) -> gemv.GemvInt4Spec:
     """The role's kernel over m rows on `gpu` (None: the config defaults)."""
     one = _single_row(role, dims, cfg, gpu)
+    default = gemv.multirow_spec(one, m, cfg, profile)
     if m == 1 or gpu is None:
-        return gemv.multirow_spec(one, m, cfg, profile)
+        return default
     key = entry_key(role, dims, cfg, gpu, m)
     params = tuned_store.lookup_params(key)
     if params is None:
-        return gemv.multirow_spec(one, m, cfg, profile)   # m-row tiles are optional: no notice
+        return default   # m-row tiles are optional: no notice
     if tuned_store.lookup_base(key) != one.uri:
         _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 kernel): config defaults")
-        return gemv.multirow_spec(one, m, cfg, profile)
+        return default
     try:
         return gemv.multirow_spec(one, m, cfg, profile, tile=params)
     except (SpecError, TypeError) as e:
         _notice_once(f"stale tuned entry {key} ({e}): config defaults")
-        return gemv.multirow_spec(one, m, cfg, profile)
+        return default
 
 
 def _single_row(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -> gemv.GemvInt4Spec:
