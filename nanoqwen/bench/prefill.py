@@ -5,7 +5,13 @@ tile VARIANTS below (tuning data: the spec fields to pick per shape), then the w
 issue 23; not used by the runtime yet) on the same shape with `inflight` 1 and 0, plus the causal prefill
 attention and the projected prefill time of the 28 layers (default mma.sync tiles).
 
-Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 512 4096] [--json FILE]``.
+A chunk of at most ``prefill.small_m_tokens`` rows (an editor's tail, issue 21) is timed from the small-M
+tiles instead (``gemm.model_gemms(small_m=True)``) with SMALL_VARIANTS beside them, each row also reporting
+the weight stream's bandwidth (such a chunk reads all the weights for a few rows: bytes, not FLOPs, bound
+it). Every tile there keeps a row's arithmetic (sequential K, no split-K), so any of them keeps chunk
+invariance.
+
+Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--json FILE]`` (those M by default).
 Timing: events around one launch, after warm-up; median of ``REPS``. Weights are reused across calls
 (8-76 MB, partly L2-resident): prefill GEMMs are compute-bound at these M, so L2 hardly matters; the
 same holds for the fp16 baseline, which reads 4x the bytes."""
@@ -23,6 +29,7 @@ from .. import codegen, config, quant
 from ..codegen.kernels import attention_prefill as AP
 from ..codegen.kernels import gemm as G
 from ..codegen.kernels import gemm_wgmma as GW
+from ..codegen.spec import SpecError
 from ..dims import QWEN25_7B
 from ..runtime import driver
 
@@ -32,6 +39,9 @@ WARMUP = 3
 VARIANTS = ({}, dict(bm=64, min_blocks=2), dict(bk=128, stages=3), dict(bm=64, bn=64, warps_n=2, min_blocks=3),
             dict(stages=3), dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
             dict(split_k=2), dict(split_k=4))   # split_k: residual GEMMs only
+# Small-M tile variants (the first is the small-M default; invalid ones for a shape are skipped).
+SMALL_VARIANTS = ({}, dict(bn=64), dict(bn=128), dict(bn=64, warps_n=8), dict(bm=32, warps_m=2),
+                  dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128))
 
 
 def _time(call, stream) -> float:
@@ -91,7 +101,9 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, wit
             b.free()
     ref = _torch_fp16_s(m, spec.n, spec.k) if with_fp16 else None
     flops = spec.flops(m)
+    weight_bytes = spec.n * spec.k // 2 + spec.n * (spec.k // spec.group) * 2
     return {"uri": spec.uri, "m": m, "n": spec.n, "k": spec.k, "s": t, "TFLOPs": flops / t / 1e12,
+            "weight_GBps": weight_bytes / t / 1e9,
             "fp16_s": ref, "fp16_TFLOPs": flops / ref / 1e12 if ref else None,
             "vs_fp16": ref / t if ref else None}
 
@@ -115,24 +127,31 @@ def bench_attention(n: int, stream, rng) -> dict:
     return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
 
 
-def run(ms=(512, 4096)) -> dict:
+def run(ms=(32, 512, 4096)) -> dict:
     stream, rng = driver.Stream(), np.random.default_rng(0)
-    group = config.default().quant.group_size
-    gemms, wgmmas = G.model_gemms(QWEN25_7B, group), GW.model_gemms(QWEN25_7B, group)
+    cfg = config.default()
+    group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
+    wgmmas = GW.model_gemms(QWEN25_7B, group)
     out = {"gemm": [], "wgmma": [], "attention": []}
     for m in ms:
-        for role, default in gemms.items():
-            for kw in VARIANTS:
-                if "split_k" in kw and default.epilogue != "residual":
+        tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
+                           else (G.model_gemms(QWEN25_7B, group), VARIANTS))
+        for role, default in tiles.items():
+            for kw in variants:
+                try:
+                    spec = replace(default, **kw)
+                    spec.validate()
+                except SpecError as e:   # a tile this shape cannot take (the copies must split evenly, ...)
+                    print(f"{role:8s} M={m:5d} {str(kw):45s} skipped: {e}", flush=True)
                     continue
-                spec = replace(default, **kw)
                 r = bench_gemm(spec, m, stream, rng, with_fp16=not kw) | {"role": role, "variant": kw}
                 out["gemm"].append(r)
                 if not kw:
                     fp16_s = r["fp16_s"]
                 base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
-                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({base})", flush=True)
+                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
+                      f"({base})", flush=True)
             for inflight in (1, 0):   # the wgmma GEMM beside them, against the same fp16 time
                 spec = replace(wgmmas[role], inflight=inflight)
                 r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": {"inflight": inflight}}
@@ -154,7 +173,8 @@ def run(ms=(512, 4096)) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.prefill", description=__doc__.split("\n")[0])
-    p.add_argument("--m", type=int, nargs="+", default=[512, 4096], help="prefill rows (tokens)")
+    p.add_argument("--m", type=int, nargs="+", default=[32, 512, 4096],
+                   help="prefill rows (tokens; at most prefill.small_m_tokens: the small-M tiles)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     res = run(tuple(args.m))
