@@ -492,21 +492,30 @@ def test_ab_bench_gate_and_extra_trees(tmp_path, monkeypatch):
 def test_multirow_bench_glue_on_fakes(monkeypatch):
     """bench/multirow.run with the device faked: every bucket of every role and the lm_head is timed on its
     m-row kernel, each row's ratio is to that kernel's m = 1 time, bytes count m rows of activations, and
-    the weights-only step sums layers x the GEMVs + the lm_head."""
+    the weights-only step sums layers x the GEMVs + the configured lm_head; the lm_head's valid variants
+    at m >= 4 come after, a spilling one left out."""
+    import types
     from nanoqwen import config
     from nanoqwen.bench import multirow
     from nanoqwen.codegen.kernels import gemv
 
     cfg = config.default()
-    monkeypatch.setattr(multirow.codegen, "build_many", lambda specs, progress=None: list(specs))
-    monkeypatch.setattr(multirow.driver, "load", lambda spec: spec)
+    def fake_build(spec):   # rows_per_warp 2 at m = 16 "spills"
+        spills = getattr(spec, "rows_per_warp", 1) == 2 and spec.m == 16
+        return types.SimpleNamespace(spec=spec, resources=types.SimpleNamespace(spill_stores=4 * spills, local_bytes=0))
+    monkeypatch.setattr(multirow.codegen, "build_many", lambda specs, progress=None: [fake_build(s) for s in specs])
+    monkeypatch.setattr(multirow.driver, "load", lambda built: built)
     monkeypatch.setattr(multirow, "_gemv_seconds", lambda spec, fn, *a: (1e-6 * (1 + 0.1 * (spec.m - 1)),) * 3)
     monkeypatch.setattr(multirow, "_lm_head_seconds", lambda spec, fn, *a: (1e-4 * (1 + 0.05 * (spec.m - 1)),) * 3)
     res = multirow.run(stream=None, copy_GBps=4000.0, cfg=cfg)
     rows = res["rows"]
-    assert [(r["name"], r["m"]) for r in rows] == [(n, m) for n in (*gemv.ROLES, "lm_head") for m in cfg.multirow.buckets]
+    configured = [(n, m) for n in (*gemv.ROLES, "lm_head") for m in cfg.multirow.buckets]
+    assert [(r["name"], r["m"]) for r in rows[:len(configured)]] == configured
+    assert [(r["name"], r["m"]) for r in rows[len(configured):]] == [
+        ("lm_head:warps16", 4), ("lm_head:rows_per_warp2", 4), ("lm_head:warps16,rows_per_warp2", 4),
+        ("lm_head:warps16", 8), ("lm_head:rows_per_warp2", 8), ("lm_head:warps16,rows_per_warp2", 8)]
     for r in rows:
-        assert r["x_m1"] == pytest.approx(1 + (0.05 if r["name"] == "lm_head" else 0.1) * (r["m"] - 1))
+        assert r["x_m1"] == pytest.approx(1 + (0.05 if r["name"].startswith("lm_head") else 0.1) * (r["m"] - 1))
         assert f"_m{r['m']}_" in r["uri"] and r["pct_copy"] == pytest.approx(100 * r["GBps"] / 4000.0)
     qkv = {r["m"]: r["bytes"] for r in rows if r["name"] == "qkv"}
     assert qkv[16] - qkv[1] == 15 * (3584 * 4 + 4608 * 4)   # h in, y out per extra row
@@ -514,7 +523,7 @@ def test_multirow_bench_glue_on_fakes(monkeypatch):
     assert step[1]["us"] == pytest.approx(QWEN25_7B.layers * 4 * 1.0 + 100.0)
     assert step[16]["x_m1"] == pytest.approx((QWEN25_7B.layers * 4 * 2.5 + 100 * 1.75) / (QWEN25_7B.layers * 4 + 100))
     text = multirow.table(res)
-    assert "lm_head   16" in text and "weights-only step, m=16" in text and "goal: m=8 <= 1.25x" in text
+    assert "lm_head                   16" in text and "weights-only step, m=16" in text and "goal: m=8 <= 1.25x" in text
 
 
 def test_speculate_bench_edit_cases_and_oracle():
