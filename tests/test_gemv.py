@@ -217,10 +217,10 @@ def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
     """A tuned m-row tile (gemv.MULTIROW_TILE) re-tiles rows, warps, unroll and the batch prefetch; the order
     fields stay the m = 1 kernel's, the grid fits one wave, and anything else is refused before compiling."""
     one = gemv.role_spec(role, QWEN25_7B, CFG)
-    tile = {"rows": 2, "unroll": 1, "prefetch": True, **({} if one.norm else {"warps": 8})}
+    tile = {"rows": 2, "warps": 8, "unroll": 1, "prefetch": True}
     spec = gemv.multirow_spec(one, 8, CFG, tile=tile)
-    assert all(getattr(spec, f) == getattr(one, f) for f in ORDER_FIELDS + (("warps",) if one.norm else ()))
-    assert (spec.m, spec.rows, spec.unroll, spec.prefetch) == (8, 2, 1, True)
+    assert all(getattr(spec, f) == getattr(one, f) for f in ORDER_FIELDS)
+    assert (spec.m, spec.rows, spec.warps, spec.unroll, spec.prefetch) == (8, 2, 8, 1, True)
     assert "constexpr bool PREFETCH = true;" in codegen.render(spec)
     grid = spec.launch().grid
     assert grid[0] * grid[1] <= spec.resident_ctas() * DEFAULT_GPU.sm_count
@@ -228,9 +228,19 @@ def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
         gemv.multirow_spec(one, 8, CFG, tile={"lanes": 8})
     with pytest.raises(SpecError, match="from role_spec"):
         gemv.multirow_spec(one, 1, CFG, tile={"rows": 2})
-    if one.norm:
-        with pytest.raises(SpecError, match="RMSNorm"):
-            gemv.multirow_spec(one, 8, CFG, tile={"warps": 2 * one.warps})
+
+
+@pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])
+def test_rmsnorm_sum_has_one_layout_whatever_the_block(warps):
+    """The RMSNorm prologue sums squares over NORM_THREADS = 128 virtual threads: a block of 128 threads
+    sums in registers, any other block hands each vector's square sum to its virtual thread through shared
+    memory. Both use the one sq8 expression (how a layout could round differently is what the GPU tests
+    compare bitwise: m-row kernels of other warps against the m = 1 kernel)."""
+    spec = dataclasses.replace(gemv.role_spec("gate_up", QWEN25_7B, CFG), warps=warps)
+    src = codegen.render(spec)
+    assert "constexpr int NORM_THREADS = 128;" in src and src.count("sq8(ha[j], hb[j])") == 2
+    built = codegen.build(spec)
+    assert not built.resources.spill_stores and built.resources.shared_static >= (0 if warps == 4 else 4 * 3584 // 8)
 
 
 def test_prefetch_keeps_the_loads_a_lane_can_hold():

@@ -60,15 +60,15 @@ def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):
 
 @pytest.mark.parametrize("role", gemv.ROLES)
 def test_multirow_candidates_keep_the_single_row_order(role):
-    """The m-row sweep starts with the default re-tiling and keeps the m = 1 kernel's order fields (and its
-    warps where the RMSNorm prologue is ordered by them) in every candidate."""
+    """The m-row sweep starts with the default re-tiling and keeps the m = 1 kernel's order fields in every
+    candidate."""
     one = gemv.role_spec(role, QWEN25_7B, CFG)
     cands, _ = space.multirow_candidates(one, 8, CFG)
     assert cands[0] == gemv.multirow_spec(one, 8, CFG) and len(set(cands)) == len(cands) > 1
     for spec in cands:
         assert (spec.m, spec.lanes, spec.splitk, spec.k, spec.n) == (8, one.lanes, one.splitk, one.k, one.n)
-        assert not one.norm or spec.warps == one.warps
     assert any(s.prefetch for s in cands) and {s.rows for s in cands} > {one.rows}
+    assert {s.warps for s in cands} >= {4, 8, 16}
     assert space.tile_params(cands[-1]).keys() == set(gemv.MULTIROW_TILE)
 
 

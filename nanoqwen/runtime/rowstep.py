@@ -150,10 +150,13 @@ class RowStep:
         self._replay(m, n, False)
 
     def _replay(self, m: int, n: int, logits: bool) -> None:
-        """Bucket m's step over the inputs on the device, then its argmaxes (and the n real rows' logits)
-        copied out; ``done`` marks the end."""
-        s = self.shared.stream.handle
+        """Bucket m's step over the inputs on the device, then its outputs copied out."""
         self._launch(m)
+        self._copy_out(m, n, logits)
+
+    def _copy_out(self, m: int, n: int, logits: bool) -> None:
+        """The bucket's m argmaxes (and the n real rows' logits) copied out; ``done`` marks the end."""
+        s = self.shared.stream.handle
         check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * m, s), "multi-row argmax")
         if logits:
             check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab,
@@ -177,12 +180,8 @@ class RowStep:
         role, fn, launch, args = self.sequences[m][-1]
         assert role == "lm_head", role
         fn.launch(launch, self.shared.stream, self.pdl, **args)
-        check(cu.cuMemcpyDtoHAsync(self.host_out.ptr, self.bufs.tokens_out.ptr, 4 * n, s), "head argmax")
-        check(cu.cuMemcpyDtoHAsync(self.host_logits.ptr, self.bufs.logits.ptr, 4 * n * self.shared.dims.vocab, s),
-              "head logits")
-        self.done.record(self.shared.stream)
-        wait(self.done, f"lm_head of {n} rows")
-        return self.rows_out[:n].tolist(), self.logits(n)
+        self._copy_out(m, n, True)
+        return self.collect(n), self.logits(n)
 
     def logits(self, n: int) -> np.ndarray:
         """A copy of the first n rows' logits of the last ``run(..., logits=True)``."""

@@ -62,10 +62,9 @@ def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config) -> tuple[lis
 
 def multirow_candidates(one: gemv.GemvInt4Spec, m: int, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
     """(valid m-row kernels beside the m = 1 kernel `one`, number ruled out): the default re-tiling first,
-    then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order; the
-    RMSNorm roles keep its warps, which order the prologue's sum)."""
-    space = {n: v for n, v in spaces()[ROWS_SPACE].items() if not (one.norm and n == "warps")}
-    return _product(space, gemv.multirow_spec(one, m, cfg), lambda tile: gemv.multirow_spec(one, m, cfg, tile=tile))
+    then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order)."""
+    return _product(spaces()[ROWS_SPACE], gemv.multirow_spec(one, m, cfg),
+                    lambda tile: gemv.multirow_spec(one, m, cfg, tile=tile))
 
 
 def tile_params(spec: gemv.GemvInt4Spec) -> dict:

@@ -116,8 +116,10 @@ def test_pdl_chain_in_graph_sees_previous_output(model):
 
 MULTIROW_MS = (1, 2, 3, 4, 8, 16)   # the buckets, plus 3 (not a power of two)
 # Re-tilings an m-row kernel may choose (gemv.MULTIROW_TILE) beside the default one: the batch loaded
-# ahead of the math, and twice the rows per lane group.
-TILES = ({"unroll": 1, "prefetch": True}, {"rows": 2, "unroll": 1, "prefetch": True})
+# ahead of the math, twice the rows per lane group, and 2 or 8 warps (the RMSNorm roles' sum then goes
+# through its virtual layout, not the 4-warp block's registers).
+TILES = ({"unroll": 1, "prefetch": True}, {"rows": 2, "unroll": 1, "prefetch": True},
+         {"warps": 8, "unroll": 1, "prefetch": True}, {"warps": 2})
 
 
 def _tuned_multirow():

@@ -247,7 +247,8 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
 
 
 # Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
-# header): the m-row kernel keeps those of its m = 1 kernel and may re-tile the rest (MULTIROW_TILE). m rows
+# header; the RMSNorm prologue's sum has a layout of its own, NORM_THREADS, whatever the block size): the
+# m-row kernel keeps those of its m = 1 kernel and may re-tile the rest (MULTIROW_TILE). m rows
 # of x take m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: by default at
 # least multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid
 # fits in one wave at the residency the staged x allows (every CTA stages x once; no CTA waits for a slot).
@@ -271,15 +272,11 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
     if set(tile) - set(MULTIROW_TILE):
         raise SpecError(f"{spec.family}: an m-row kernel may choose only {', '.join(MULTIROW_TILE)}; "
                         f"{', '.join(sorted(set(tile) - set(MULTIROW_TILE)))} would change a row's order")
-    if spec.norm and tile.get("warps", spec.warps) != spec.warps:
-        raise SpecError(f"{spec.family}: the RMSNorm prologue's sum is ordered by the block size: warps stays "
-                        f"{spec.warps} for every m, got {tile['warps']}")
     out = dataclasses.replace(spec, m=m, **tile)
     if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
-        # More warps only where the block size is not in a row's arithmetic: the RMSNorm prologue sums each
-        # thread's share of h and then the warps' sums, so its order (and a row's bits) depends on warps. And
-        # ptxas holds a 256-thread split-K cluster kernel to 128 registers: spills at m = 4.
-        if not tile and spec.splitk == 1 and not spec.norm:
+        # More warps, but not for split-K: ptxas holds a 256-thread split-K cluster kernel to 128 registers
+        # (spills at m = 4).
+        if not tile and spec.splitk == 1:
             out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
         tpw = 1 if tile else spec.tiles_per_warp
         while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
