@@ -39,6 +39,7 @@ class ReferenceBatch:
     of ``cache`` are the accounting; a kept sequence's K/V rows travel as its payload."""
 
     max_rows = None   # a verify of any length is one ``extend``
+    costs = None      # steps are not timed: a drafter's k stands
 
     def __init__(self, cache: PrefixCache, ref):
         self.cache, self.ref = cache, ref

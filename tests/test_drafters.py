@@ -1,5 +1,6 @@
 """Prompt lookup drafting (runtime/drafters.py): the indexed search proposes exactly what a brute-force
-scan of the sequence proposes, k adapts to acceptance within its bounds, bad settings are one clear error."""
+scan of the sequence proposes, k adapts to acceptance within its bounds, bad settings are one clear error;
+with measured step costs the draft length is the one of the best expected rate."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoqwen.runtime.drafters import DraftModel, PromptLookup, SpeculateError, drafter_setting
+from nanoqwen.runtime.drafters import (EXPLORE, PRIOR, DraftModel, PromptLookup, Speculation, SpeculateError,
+                                       best_draft, drafter_setting)
 
 
 def brute_force(seq: list[int], setting: PromptLookup, k: int) -> list[int]:
@@ -85,3 +87,71 @@ def test_cli_setting(tmp_path):
     for kind in ("lookup", f"draft:{tmp_path}"):
         with pytest.raises(SpeculateError, match="--draft-tokens"):
             drafter_setting(kind, 0)
+
+
+# ---- the draft length by measured step costs (Speculation with costs) ------------------------------------
+
+H200 = {1: 1.655, 2: 2.059, 4: 3.283, 8: 5.277, 16: 12.459}   # results/speculate-h200-2026-12-04-rows-tuned.json
+
+
+def expected_rate(p: float, k: int, costs: dict) -> float:
+    """Tokens per ms of drafts of length k (brute force over the first rejection)."""
+    tokens = sum(p ** i * ((1 - p) if i < k else 1) * (i + 1) for i in range(k + 1))
+    return tokens / costs[min(m for m in costs if m >= k + 1)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.3, 0.6, 0.85, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("costs", [H200, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.6}, {1: 1.0, 2: 1.5}])
+def test_best_draft_is_the_best_rate(p, costs):
+    """best_draft picks the k of the most expected tokens per unit of time (k = 0: a plain step), no k whose
+    rows no measured step holds, and never more than the limit."""
+    for limit in (0, 1, 3, 15):
+        k = best_draft(p, costs, limit)
+        fits = [j for j in range(limit + 1) if any(m >= j + 1 for m in costs)]
+        assert k in fits and expected_rate(p, k, costs) >= max(expected_rate(p, j, costs) for j in fits) - 1e-12
+
+
+def test_best_draft_on_the_h200_costs():
+    """Today's 7B steps (16 rows cost 7.5 decode steps): plain below ~25% acceptance, a single draft in the
+    middle, 8 rows only for drafts that are nearly always right; 16 rows never."""
+    assert [best_draft(p, H200, 15) for p in (0.1, 0.4, 0.8, 0.95)] == [0, 1, 3, 7]
+
+
+class Scripted:
+    """A drafter proposing `limit` tokens of `draft` each time, recording what it was asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    def draft(self, limit):
+        self.asked.append(limit)
+        return [7] * limit
+
+    def append(self, tokens):
+        pass
+
+    def record(self, drafted, accepted):
+        pass
+
+
+def test_speculation_learns_acceptance_and_explores():
+    """Rejected drafts lower the estimate until the costs make plain steps the best; then every EXPLORE-th
+    step still verifies one draft, whose acceptance raises the estimate again. Without costs the drafter's
+    k stands."""
+    d = Scripted()
+    s = Speculation(d, H200)
+    assert s.acceptance == PRIOR[0] / sum(PRIOR)
+    while drafts := s.draft(15):   # every draft rejected at once, until the costs say plain steps
+        s.accept(drafts, [0] * (len(drafts) + 1))
+    assert s.acceptance < 0.25 and best_draft(s.acceptance, H200, 15) == 0
+    asked = len(d.asked)
+    after = [s.draft(15) for _ in range(EXPLORE - 1)]   # the EXPLORE-th plain step in a row verifies one draft
+    assert after[:-1] == [[]] * (EXPLORE - 2) and after[-1] == [7] and len(d.asked) == asked + 1
+    s.accept(after[-1], after[-1] + [1])
+    for _ in range(30):   # now every draft accepted
+        drafts = s.draft(15)
+        if drafts:
+            s.accept(drafts, drafts + [1])
+    assert s.acceptance > 0.9 and len(s.draft(15)) == 7
+    free = Speculation(Scripted())
+    assert len(free.draft(15)) == 15 and free.draft(0) == []

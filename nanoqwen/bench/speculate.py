@@ -98,12 +98,13 @@ def oracle_rates(session, rng, vocab: int) -> dict:
     prompt = rng.integers(0, vocab, PROMPT).tolist()
     plain, t_plain = timed(session, prompt, GEN)
     res = {"plain_tokens_per_s": (GEN - 1) / t_plain}
+    costs, session.runner.costs = session.runner.costs, None   # the oracle's k as given, not as the costs say
     for k in ORACLE_K:
         session.runner.speculate = lambda p, k=k: Oracle(p, plain, k)
         try:
             got, t = timed(session, prompt, GEN)
         finally:
-            session.runner.speculate = None
+            session.runner.speculate, session.runner.costs = None, costs
         assert got == plain, f"oracle k={k}: speculative output differs from plain greedy"
         res[f"k{k}"] = {"tokens_per_s": (GEN - 1) / t, "speedup": t_plain / t,
                         "verifies": session.runner.spec.verifies}
@@ -174,19 +175,30 @@ def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
             prompt = tok.encode(prompt_text)
             session.runner.cache.clear()
             plain, tp = timed(session, prompt, gen)
+            costs, ts_k = session.runner.costs, None
             session.runner.speculate = PromptLookup(max_draft=15)
-            session.runner.cache.clear()
             try:
+                if costs:   # the drafter's k alone, beside the draft length the step costs choose
+                    session.runner.costs = None
+                    session.runner.cache.clear()
+                    got, ts_k = timed(session, prompt, gen)
+                    assert got == plain, f"edit case ({kind}, drafter's k): output differs from plain greedy"
+                    session.runner.costs = costs
+                session.runner.cache.clear()
                 got, ts = timed(session, prompt, gen)
             finally:
-                session.runner.speculate = None
+                session.runner.speculate, session.runner.costs = None, costs
             assert got == plain, f"edit case ({kind}): speculative output differs from plain greedy"
             spec = session.runner.spec
             rows.append({"kind": kind, "prompt_tokens": len(prompt), "plain_s": tp, "spec_s": ts,
-                         "drafted": spec.drafted, "accepted": spec.accepted, "verifies": spec.verifies})
+                         "spec_drafter_k_s": ts_k, "drafted": spec.drafted, "accepted": spec.accepted,
+                         "verifies": spec.verifies})
             t_plain, t_spec = t_plain + tp, t_spec + ts
             drafted, accepted, verifies = drafted + spec.drafted, accepted + spec.accepted, verifies + spec.verifies
+        t_k = sum(r["spec_drafter_k_s"] or 0.0 for r in rows)
         return {"cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec,
+                "speedup_drafter_k": t_plain / t_k if t_k else None,
+                "costs_ms": session.runner.costs,
                 "acceptance": accepted / max(drafted, 1), "accepted_per_verify": accepted / max(verifies, 1),
                 "plain_tokens_per_s": len(rows) * (gen - 1) / t_plain,
                 "spec_tokens_per_s": len(rows) * (gen - 1) / t_spec}
@@ -241,7 +253,8 @@ def main(argv=None) -> int:
     if "edit" in res:
         e = res["edit"]
         print(f"edit workload ({len(e['cases'])} cases): acceptance {e['acceptance']:.2f}, speed-up "
-              f"{e['speedup']:.2f}x ({e['spec_tokens_per_s']:.0f} vs {e['plain_tokens_per_s']:.0f} tokens/s)")
+              f"{e['speedup']:.2f}x ({e['spec_tokens_per_s']:.0f} vs {e['plain_tokens_per_s']:.0f} tokens/s)"
+              + (f"; with the drafter's k alone {e['speedup_drafter_k']:.2f}x" if e["speedup_drafter_k"] else ""))
     protocol.save(res, args.json)
     return 0
 

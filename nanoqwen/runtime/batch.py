@@ -14,7 +14,8 @@ An engine that can exposes ``engine.batch``, an object with:
   are decode rows, computed with exactly a single decode step's arithmetic whatever else is in the step
   (row invariance, DESIGN.md section 12); prompt tokens are computed as the engine prefills a prompt
   alone, which is the same whatever the chunks (chunk invariance). So a sequence's tokens are bitwise what
-  it gets alone. A sequence puts at most ``max_rows`` decode rows in one step (None: no bound);
+  it gets alone. A sequence puts at most ``max_rows`` decode rows in one step (None: no bound); ``costs``
+  (rows -> measured step time, or None) lets a speculative sequence pick its draft length by them;
 - ``close(sequence, tokens)``: end it, keeping its first ``len(tokens)`` positions (their K/V written,
   ``tokens`` their ids) for prefix reuse; its other pages go back to the pool;
 - ``pages()``: (pages held by running sequences, pages kept for reuse, pages in the pool).
@@ -76,11 +77,11 @@ class Decoding:
     logits and returns the new (token, logits row) pairs (none while the prompt is still being fed)."""
 
     def __init__(self, seq: Sequence, prompt: list[int], max_new_tokens: int, sampling: Sampling, speculate=None,
-                 logits: bool = False, max_rows: int | None = None):
+                 logits: bool = False, max_rows: int | None = None, costs: dict[int, float] | None = None):
         self.seq, self.prompt, self.max_new_tokens = seq, prompt, max_new_tokens
         self.sample, self.greedy = HostSampler(sampling, prompt), sampling.greedy
         seq.logits = logits or not sampling.greedy   # greedy rows take the engine's argmax
-        self.spec = Speculation(speculate(prompt) if speculate and sampling.greedy else None)
+        self.spec = Speculation(speculate(prompt) if speculate and sampling.greedy else None, costs)
         self.max_draft = None if max_rows is None else max_rows - 1
         self.fed, self.gen, self.drafts = seq.reused, [], []
 

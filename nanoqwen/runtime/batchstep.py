@@ -74,6 +74,11 @@ class BatchStep:
         self.host_err = driver.HostBuffer(4)
         self.done = driver.Event()
 
+    @property
+    def costs(self) -> dict[int, float] | None:
+        """The runner's measured step times (rows -> ms), once the session has them."""
+        return self.runner.costs
+
     # ---- the contract ------------------------------------------------------------------------------------
 
     def open(self, prompt: list[int], total: int) -> Sequence:

@@ -145,6 +145,23 @@ class Decoder:
                 self.launch_kernels(self.stream)
             self.graph = g
 
+    def measure(self, reps: int = 3) -> float:
+        """The captured step's replay time in ms, the best of ``reps``, from token 0 at position 0 of the
+        loaded page table (the session's warm-up page, before any request: RowStep.measure's protocol)."""
+        start, end = driver.Event(), driver.Event()
+        try:
+            best = float("inf")
+            for _ in range(reps):
+                self.shared.reset(0, 0, 0)
+                start.record(self.stream)
+                self.graph.launch(self.stream)
+                end.record(self.stream)
+                best = min(best, driver.Event.elapsed_ms(start, end))
+            return best
+        finally:
+            start.close()
+            end.close()
+
     def step(self, i: int, feed: int | None = None, read_token: bool = False, read_logits: bool = False):
         """Enqueue step ``i``: optionally feed token ``feed`` into state[0] first, optionally copy its
         token (pinned slot i) or its logits out afterwards and record the step's event."""

@@ -16,7 +16,11 @@ prefix cache and, on CUDA, graphs), drafts its greedy continuation of the sequen
 the sequence it last drafted from, so each round prefills only the tokens accepted since.
 
 For both, k adapts to acceptance (the rule of Hugging Face's assisted generation): a draft accepted whole
-raises k by 2, any rejection lowers it by 1, within [1, max_draft]."""
+raises k by 2, any rejection lowers it by 1, within [1, max_draft]. Where the engine measured its step
+costs (the CUDA engine: the decode step and each multi-row bucket), ``Speculation`` caps k further to the
+draft length of the most expected tokens per unit of step time (``best_draft``), from an estimate of how
+likely the model accepts a draft token: a verify costs its bucket whether its drafts are right or not, and
+on the H200 a 16-row bucket costs 7.5 decode steps (results/speculate-h200-2026-12-04-rows-tuned.json)."""
 
 from __future__ import annotations
 
@@ -133,6 +137,31 @@ class ModelDrafter(AdaptiveK):
         return list(self.engine.generate(self.tokens, k)) if k >= 1 else []
 
 
+# The acceptance estimate: accepted and rejected drafts, each verify's weighed DECAY times less per later
+# verify (the drafter's quality drifts along a request), starting from PRIOR (p = 0.75). A plain step chosen
+# by the costs teaches nothing, so after EXPLORE of them in a row one verify of a single draft looks again.
+DECAY = 0.9
+PRIOR = (3.0, 1.0)
+EXPLORE = 16
+
+
+def best_draft(p: float, costs: dict[int, float], limit: int) -> int:
+    """The draft length k <= limit of the most expected tokens per unit of step time. A verify of k drafts
+    costs the cheapest measured step of at least k + 1 rows (``costs``: rows -> time, 1 being the decode
+    step) and yields (1 - p^(k+1)) / (1 - p) tokens when each draft is accepted with probability p once
+    the one before it was (k = 0: a plain step, one token)."""
+    best_k, best_rate = 0, 1.0 / costs[1]
+    for k in range(1, limit + 1):
+        fits = [m for m in costs if m >= k + 1]
+        if not fits:
+            break
+        tokens = (1.0 - p ** (k + 1)) / (1.0 - p) if p < 1.0 else k + 1.0
+        rate = tokens / costs[min(fits)]
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
 def accept(drafts: list[int], choices: list[int]) -> list[int]:
     """A verify step's tokens: ``choices[i]`` is the model's token after ``drafts[:i]`` (len(drafts) + 1 of
     them); the drafts that equal the model's choice are accepted, up to the first that does not, then the
@@ -148,17 +177,36 @@ class Speculation:
     one: every step is then a plain one), acceptance, the drafter told the outcome, and the counts the
     engine reports as ``drafted_tokens`` / ``accepted_tokens`` (``verifies``: the steps that checked drafts)."""
 
-    def __init__(self, drafter=None):
+    def __init__(self, drafter=None, costs: dict[int, float] | None = None):
         self.drafter, self.drafted, self.accepted, self.verifies = drafter, 0, 0, 0
+        self.costs = costs   # rows -> measured step time (None: k is the drafter's alone)
+        self.seen = list(PRIOR)   # decayed (accepted, rejected) drafts
+        self.plain_run = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that the model accepts a draft token after an accepted one."""
+        return self.seen[0] / (self.seen[0] + self.seen[1])
 
     def draft(self, limit: int) -> list[int]:
-        return self.drafter.draft(limit) if self.drafter else []
+        if not self.drafter or limit < 1:
+            return []
+        if self.costs:
+            k = best_draft(self.acceptance, self.costs, limit)
+            self.plain_run = self.plain_run + 1 if k == 0 else 0
+            if k == 0 and self.plain_run < EXPLORE:
+                return []
+            limit = max(k, 1)
+            self.plain_run = 0
+        return self.drafter.draft(limit)
 
     def accept(self, drafts: list[int], choices: list[int]) -> list[int]:
         """The verify step's tokens (``accept``); the drafter follows them."""
         block = accept(drafts, choices)
         self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + len(block) - 1
         self.verifies += bool(drafts)
+        if drafts:
+            self.seen = [DECAY * self.seen[0] + len(block) - 1, DECAY * self.seen[1] + (len(block) - 1 < len(drafts))]
         if self.drafter:
             self.drafter.append(block)
             self.drafter.record(len(drafts), len(block) - 1)

@@ -43,6 +43,7 @@ class Runner:
         self.speculate, self.spec = speculate, Speculation()
         self.cached_tokens = 0
         self.max_draft = rows.m - 1 if rows is not None else 0   # a verify's k + 1 rows are one step
+        self.costs: dict[int, float] | None = None   # rows -> step time (ms), measured by the session
 
     def prefill(self, tokens: list[int], p0: int, read_token: bool = False, read_logits: bool = False) -> None:
         """Positions [p0, p1) of the loaded sequence (p1 = p0 + len(tokens); positions before p0 hold
@@ -92,7 +93,8 @@ class Runner:
         sample = HostSampler(sampling, prompt)
         with self.cache.request(prompt, total) as lease:
             self.cached_tokens = lease.reused
-            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and not host else None)
+            self.spec = spec = Speculation(self.speculate(prompt) if self.speculate and not host else None,
+                                           self.costs)
             launched, gen, clean = lease.reused, [], False   # positions the enqueued work writes
             try:
                 sh.drain()   # the previous request's work is done before its table is replaced

@@ -115,6 +115,8 @@ class CudaSession:
             if self.rows is not None:
                 self.rows.capture()
                 self.rows.measure()
+                # what a speculative request weighs its draft length by (runtime/drafters.py, best_draft)
+                self.runner.costs = {1: self.decoder.measure(), **self.rows.ms}
             if self.prefiller is not None:
                 self.prefiller.capture()
         self.name = f"cuda {props.name}, {'eager' if eager else 'graph'}{'' if self.prefiller else ', decode prefill'}"

@@ -173,7 +173,7 @@ class Scheduler:
                     seq.prompt_logits = True
                 logits = job.top_logprobs is not None or job.prompt_logprobs is not None
                 decoding = Decoding(seq, job.prompt, max(job.max_tokens, 1), job.sampling, self.engine.speculate,
-                                    logits, self.batch.max_rows)
+                                    logits, self.batch.max_rows, self.batch.costs)
             except PagesShort:
                 w.put_back(job)   # waits at the head of the queue for a running sequence's pages
                 break
