@@ -73,8 +73,10 @@ class AttentionDecodeSpec(KernelSpec):
     page_size: int = 16
     stages: int = 3           # K/V pages in flight (ring depth)
     consumer_warps: int = 4   # softmax warps beside the producer warp
-    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "plain": consumers read
-    # pages straight from global with the same math, no producer/ring: a debugging oracle on the GPU.
+    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "mma": the same producer
+    # and ring, the consumers on the tensor cores (each warp whole pages; another rounding of the same
+    # math); "plain": consumers read pages straight from global with bulk's math, no producer/ring: a
+    # debugging oracle on the GPU.
     pipeline: str = "bulk"
     m: int = 1                # rows (queries at their own positions), grid.z
 
@@ -98,11 +100,16 @@ class AttentionDecodeSpec(KernelSpec):
             raise SpecError(f"attention_decode.head_dim={self.head_dim}: a K/V row must split into 16-byte "
                             f"lanes of one warp (head_dim = 8 * a divisor of 32)")
         rows = 32 // lanes
-        if self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
+        if self.pipeline not in ("bulk", "mma", "plain"):
+            raise SpecError(f"attention_decode.pipeline must be 'bulk', 'mma' or 'plain', got {self.pipeline!r}")
+        if self.pipeline == "mma":
+            if self.page_size != 16 or self.gqa > 16 or self.head_dim % 16:
+                raise SpecError(f"attention_decode: pipeline 'mma' needs 16-token pages, at most 16 query heads "
+                                f"per KV head and head_dim % 16 == 0 (page {self.page_size}, gqa {self.gqa}, "
+                                f"head_dim {self.head_dim})")
+        elif self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
             raise SpecError(f"attention_decode.consumer_warps={self.consumer_warps}: each warp must own a "
                             f"multiple of {rows} of the {self.page_size} tokens of a page")
-        if self.pipeline not in ("bulk", "plain"):
-            raise SpecError(f"attention_decode.pipeline must be 'bulk' or 'plain', got {self.pipeline!r}")
         if self.stages > 8:
             raise SpecError(f"attention_decode.stages must be 1..8, got {self.stages}")
         if self.splits > 65535:
@@ -113,10 +120,11 @@ class AttentionDecodeSpec(KernelSpec):
 
     @property
     def producers(self) -> int:
-        return 1 if self.pipeline == "bulk" else 0
+        return 0 if self.pipeline == "plain" else 1
 
     def static_smem(self) -> int:
-        ring = 2 * self.stages * self.page_size * self.head_dim * 2 * self.producers
+        row = self.head_dim + (8 if self.pipeline == "mma" else 0)   # mma pads each K/V row by 16 bytes
+        ring = 2 * self.stages * self.page_size * row * 2 * self.producers
         barriers = 2 * self.stages * 8 * self.producers
         merge = self.consumer_warps * self.gqa * self.head_dim * 4   # shares memory with the ring
         return max(ring, merge) + barriers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
@@ -213,7 +221,8 @@ def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int
     splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
-                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps, m=m),
+                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps,
+                                pipeline=a.pipeline, m=m),
             AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
 
 
