@@ -34,6 +34,7 @@ VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="mma"),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=5, consumer_warps=2, pipeline="mma"),
     A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="mma", m=8),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=8, pipeline="mma"),   # dynamic ring
 ]
 
 
@@ -53,6 +54,7 @@ def test_compiles_without_spills_or_local_memory(built, spec):
         # the Python smem estimate is what validate() checks against the 48 KB static limit
         assert spec.static_smem() <= r.shared_static <= spec.static_smem() + 128, r
         assert r.shared_static <= A.STATIC_SMEM_LIMIT
+        assert b.launch.smem == (spec.ring_bytes() if spec.ring_dynamic else 0)
 
 
 def test_decode_sass_uses_bulk_copy_and_mbarriers(built):

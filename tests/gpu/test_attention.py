@@ -45,7 +45,8 @@ def fns():
     once for the module. "bulk" is the configured decode kernel, "bulk_w8s2" the same with 8 consumer warps
     and a 2-deep ring (the ring parity flips every other page), "plain" the decode kernel without the
     producer warp (the oracle that localizes a pipeline bug), "mma" the tensor-core consumers, "mma_w2s2"
-    those with 2 warps taking turns on a 2-deep ring."""
+    those with 2 warps taking turns on a 2-deep ring, "mma_w4s8" with an 8-deep ring in dynamic shared
+    memory (each warp a page in flight behind the one it reads)."""
     specs = {}
     for name, d in MODELS.items():
         rope, dec, comb = A.decode_specs(d, CFG)
@@ -53,6 +54,7 @@ def fns():
                        "bulk_w8s2": dataclasses.replace(dec, pipeline="bulk", consumer_warps=8, stages=2),
                        "mma": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=4),
                        "mma_w2s2": dataclasses.replace(dec, pipeline="mma", consumer_warps=2, stages=2),
+                       "mma_w4s8": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=8),
                        "combine": comb}
     built = codegen.build_many([s for t in specs.values() for s in t.values()])
     loaded = {b.spec: driver.load(b) for b in built}
@@ -121,7 +123,7 @@ def _check_o16(o16: np.ndarray, ref: np.ndarray, what: str) -> float:
     return rel(o16, ref)
 
 
-@pytest.mark.parametrize("pipeline", ["bulk", "bulk_w8s2", "plain", "mma", "mma_w2s2"])
+@pytest.mark.parametrize("pipeline", ["bulk", "bulk_w8s2", "plain", "mma", "mma_w2s2", "mma_w4s8"])
 @pytest.mark.parametrize("model", MODELS)
 def test_attention_decode_and_combine(fns, model, pipeline):
     dims = MODELS[model]

@@ -117,25 +117,42 @@ class AttentionDecodeSpec(KernelSpec):
         if self.static_smem() > STATIC_SMEM_LIMIT:
             raise SpecError(f"attention_decode: {self.static_smem()} B of static shared memory > "
                             f"{STATIC_SMEM_LIMIT} (lower stages or consumer_warps)")
+        if self.ring_dynamic and self.ring_bytes() > DEFAULT.max_smem:
+            raise SpecError(f"attention_decode: a ring of {self.ring_bytes()} B > {DEFAULT.max_smem} B of shared "
+                            f"memory (lower stages)")
 
     @property
     def producers(self) -> int:
         return 0 if self.pipeline == "plain" else 1
 
-    def static_smem(self) -> int:
+    def ring_bytes(self) -> int:
+        """The ring and the warps' merge buffer, which share memory (the template's Smem union)."""
         row = self.head_dim + (8 if self.pipeline == "mma" else 0)   # mma pads each K/V row by 16 bytes
         ring = 2 * self.stages * self.page_size * row * 2 * self.producers
-        barriers = 2 * self.stages * 8 * self.producers
-        merge = self.consumer_warps * self.gqa * self.head_dim * 4   # shares memory with the ring
-        return max(ring, merge) + barriers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
+        merge = self.consumer_warps * self.gqa * self.head_dim * 4
+        return max(ring, merge)
+
+    @property
+    def ring_dynamic(self) -> bool:
+        """The mma pipeline's ring moves to dynamic shared memory when it outgrows the static 48 KB (its
+        warps each take whole pages: a deeper ring gives each one a page in flight behind the one it reads)."""
+        return self.pipeline == "mma" and self.ring_bytes() + self._fixed_smem() > STATIC_SMEM_LIMIT
+
+    def _fixed_smem(self) -> int:
+        return 2 * self.stages * 8 * self.producers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
+
+    def static_smem(self) -> int:
+        return self._fixed_smem() + (0 if self.ring_dynamic else self.ring_bytes())
 
     def context(self) -> dict:
         return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim),
-                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m)}
+                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m),
+                                    "ring_dynamic": self.ring_dynamic}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.kv_heads, self.splits, self.m),
-                      block=(32 * (self.producers + self.consumer_warps), 1, 1))
+                      block=(32 * (self.producers + self.consumer_warps), 1, 1),
+                      smem=self.ring_bytes() if self.ring_dynamic else 0)
 
 
 @dataclass(frozen=True)
