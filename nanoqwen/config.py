@@ -46,6 +46,7 @@ class Attention:
     ctas_per_sm: int
     stages: int
     consumer_warps: int
+    pipeline: str
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ NQ_DEVICE void mbar_wait(u32 bar, u32 parity) {
 // by griddepcontrol.wait) before its later async-proxy reads of them (cp.async.bulk from global).
 NQ_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// Orders this thread's generic-proxy writes to shared memory before later async-proxy accesses of it (the
+// copy engine's next fill of a ring slot the thread wrote into; wgmma's reads of a tile it stored).
+NQ_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Named barrier 1 over `threads` threads (a multiple of 32): syncs the consumer warps of a
 // warp-specialized CTA without the producer warp (barrier 0 is __syncthreads, which must never sit
 // inside a role branch).

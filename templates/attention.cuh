@@ -34,3 +34,10 @@ NQ_DEVICE void f16x8_to_f32(uint4 v, float (&f)[8]) {
     f[0] = f16x2_lo(v.x); f[1] = f16x2_hi(v.x); f[2] = f16x2_lo(v.y); f[3] = f16x2_hi(v.y);
     f[4] = f16x2_lo(v.z); f[5] = f16x2_hi(v.z); f[6] = f16x2_lo(v.w); f[7] = f16x2_hi(v.w);
 }
+
+// fp32 pair -> its fp16 rounding (saturating) `hi` and the fp16 rounding of the remainder `lo`: hi + lo
+// carries ~22 bits, so two fp16 tensor-core products (hi, lo) with fp32 accumulation act as an fp32 one.
+NQ_DEVICE void f16_hi_lo(float a, float b, u32& hi, u32& lo) {
+    hi = f32x2_to_f16x2_sat(a, b);
+    lo = f32x2_to_f16x2_sat(a - f16x2_lo(hi), b - f16x2_hi(hi));
+}

@@ -13,6 +13,7 @@
 // B (16xN) is read from shared memory through a matrix descriptor (below).
 #pragma once
 #include "common.cuh"
+#include "async_copy.cuh"  // fence_proxy_async_shared
 
 // ---- ordering ----------------------------------------------------------------------------------------
 // Orders this thread's earlier ordinary writes of registers (A fragments, accumulators) before the next
@@ -25,8 +26,8 @@ NQ_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" 
 template <int N>
 NQ_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
 // wgmma reads shared memory through the async proxy; data written there by the generic proxy (cp.async
-// to shared, st.shared) must be fenced by every writing thread before the barrier that publishes it.
-NQ_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// to shared, st.shared) must be fenced by every writing thread before the barrier that publishes it:
+// async_copy.cuh's fence_proxy_async_shared.
 
 // ---- shared-memory matrix descriptor ----------------------------------------------------------------------
 // 64-bit descriptor of a B tile in shared memory, no swizzle (mode 0 in bits 62-63). The tile is made of

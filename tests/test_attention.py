@@ -31,6 +31,10 @@ VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=2, consumer_warps=8),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="plain"),
     A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="plain"),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="mma"),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=5, consumer_warps=2, pipeline="mma"),
+    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="mma", m=8),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=8, pipeline="mma"),   # dynamic ring
 ]
 
 
@@ -50,6 +54,7 @@ def test_compiles_without_spills_or_local_memory(built, spec):
         # the Python smem estimate is what validate() checks against the 48 KB static limit
         assert spec.static_smem() <= r.shared_static <= spec.static_smem() + 128, r
         assert r.shared_static <= A.STATIC_SMEM_LIMIT
+        assert b.launch.smem == (spec.ring_bytes() if spec.ring_dynamic else 0)
 
 
 def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
@@ -66,6 +71,18 @@ def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
     assert "LDL" not in sass and "STL" not in sass
     plain = resources.sass(built[dataclasses.replace(spec, pipeline="plain")].cubin)
     assert "UBLKCP" not in plain and "SYNCS" not in plain
+
+
+def test_mma_decode_sass_is_tensor_core_work():
+    """pipeline "mma": per k16 step of a page two ldmatrix-fed mma.sync pairs for S (q hi and lo), per pair
+    of dim tiles an ldmatrix.trans and four for P V; one bulk copy per producer lane (a padded row each)."""
+    if resources.tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG)[1], pipeline="mma")
+    sass = resources.sass(codegen.build(spec).cubin)
+    assert sass.count("HMMA.16816.F32") == 4 * 128 // 16 + 4 * 128 // 16
+    assert sass.count("LDSM.16.M88.4") == 128 // 16 and sass.count("LDSM.16.MT88.4") == 128 // 16
+    assert sass.count("UBLKCP") == 1 and "LDL" not in sass and "STL" not in sass
 
 
 def test_specs_for_model_fill_the_device():
@@ -85,6 +102,8 @@ def test_specs_for_model_fill_the_device():
     (dict(stages=8, gqa=8, consumer_warps=8, head_dim=256), "shared memory"),
     (dict(splits=0), "splits"),
     (dict(pipeline="tma"), "pipeline"),
+    (dict(pipeline="mma", page_size=32), "16-token pages"),
+    (dict(pipeline="mma", gqa=17), "query heads"),
 ])
 def test_decode_spec_rejects_impossible_variants(kw, match):
     base = dict(head_dim=128, kv_heads=4, gqa=7, splits=33)

@@ -41,15 +41,21 @@ SEQ_LENS = [1, 15, 16, 17, 49, 4095, 4096]
 
 @pytest.fixture(scope="module")
 def fns():
-    """{model: {"rope" | "bulk" | "bulk_w8s2" | "plain" | "combine": (spec, fn)}} built once for the module.
-    "bulk" is the configured decode kernel, "bulk_w8s2" the same with 8 consumer warps and a 2-deep ring
-    (the ring parity flips every other page), "plain" the decode kernel without the producer warp (the
-    oracle that localizes a pipeline bug)."""
+    """{model: {"rope" | "bulk" | "bulk_w8s2" | "plain" | "mma" | "mma_w2s2" | "combine": (spec, fn)}} built
+    once for the module. "bulk" is the configured decode kernel, "bulk_w8s2" the same with 8 consumer warps
+    and a 2-deep ring (the ring parity flips every other page), "plain" the decode kernel without the
+    producer warp (the oracle that localizes a pipeline bug), "mma" the tensor-core consumers, "mma_w2s2"
+    those with 2 warps taking turns on a 2-deep ring, "mma_w4s8" with an 8-deep ring in dynamic shared
+    memory (each warp a page in flight behind the one it reads)."""
     specs = {}
     for name, d in MODELS.items():
         rope, dec, comb = A.decode_specs(d, CFG)
         specs[name] = {"rope": rope, "bulk": dec, "plain": dataclasses.replace(dec, pipeline="plain"),
-                       "bulk_w8s2": dataclasses.replace(dec, consumer_warps=8, stages=2), "combine": comb}
+                       "bulk_w8s2": dataclasses.replace(dec, pipeline="bulk", consumer_warps=8, stages=2),
+                       "mma": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=4),
+                       "mma_w2s2": dataclasses.replace(dec, pipeline="mma", consumer_warps=2, stages=2),
+                       "mma_w4s8": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=8),
+                       "combine": comb}
     built = codegen.build_many([s for t in specs.values() for s in t.values()])
     loaded = {b.spec: driver.load(b) for b in built}
     return {name: {k: (s, loaded[s]) for k, s in t.items()} for name, t in specs.items()}
@@ -117,7 +123,7 @@ def _check_o16(o16: np.ndarray, ref: np.ndarray, what: str) -> float:
     return rel(o16, ref)
 
 
-@pytest.mark.parametrize("pipeline", ["bulk", "bulk_w8s2", "plain"])
+@pytest.mark.parametrize("pipeline", ["bulk", "bulk_w8s2", "plain", "mma", "mma_w2s2", "mma_w4s8"])
 @pytest.mark.parametrize("model", MODELS)
 def test_attention_decode_and_combine(fns, model, pipeline):
     dims = MODELS[model]
@@ -228,16 +234,22 @@ def test_rope_append(fns, model, pos):
     np.testing.assert_array_equal(v.view(np.uint16), v_exp.view(np.uint16))
 
 
+def _decode_specs(d, m: int, pipeline: str):
+    rope, dec, comb = A.decode_specs(d, CFG, m=m)
+    return rope, dataclasses.replace(dec, pipeline=pipeline), comb
+
+
+@pytest.mark.parametrize("pipeline", ["bulk", "mma"])
 @pytest.mark.parametrize("m", [2, 3, 16])
 @pytest.mark.parametrize("model", ["7b", "tiny"])
-def test_multi_row_rows_are_the_single_row_kernels(model, m):
+def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
     """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
     position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
     written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
     over page boundaries and lengths; two rows share a position (padding repeats the last real row).
     Class (a) of docs/architecture.md: the same arithmetic per row by construction, compared bit for bit."""
     d, rng = MODELS[model], fresh_rng()
-    specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
+    specs = {m_: _decode_specs(d, m_, pipeline) for m_ in (1, m)}
     built = codegen.build_many([s for t in specs.values() for s in t])
     fn = {b.spec: driver.load(b) for b in built}
     at = Attn(d, rng)

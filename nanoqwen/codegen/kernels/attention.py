@@ -73,8 +73,10 @@ class AttentionDecodeSpec(KernelSpec):
     page_size: int = 16
     stages: int = 3           # K/V pages in flight (ring depth)
     consumer_warps: int = 4   # softmax warps beside the producer warp
-    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "plain": consumers read
-    # pages straight from global with the same math, no producer/ring: a debugging oracle on the GPU.
+    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "mma": the same producer
+    # and ring, the consumers on the tensor cores (each warp whole pages; another rounding of the same
+    # math); "plain": consumers read pages straight from global with bulk's math, no producer/ring: a
+    # debugging oracle on the GPU.
     pipeline: str = "bulk"
     m: int = 1                # rows (queries at their own positions), grid.z
 
@@ -98,11 +100,16 @@ class AttentionDecodeSpec(KernelSpec):
             raise SpecError(f"attention_decode.head_dim={self.head_dim}: a K/V row must split into 16-byte "
                             f"lanes of one warp (head_dim = 8 * a divisor of 32)")
         rows = 32 // lanes
-        if self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
+        if self.pipeline not in ("bulk", "mma", "plain"):
+            raise SpecError(f"attention_decode.pipeline must be 'bulk', 'mma' or 'plain', got {self.pipeline!r}")
+        if self.pipeline == "mma":
+            if self.page_size != 16 or self.gqa > 16 or self.head_dim % 16:
+                raise SpecError(f"attention_decode: pipeline 'mma' needs 16-token pages, at most 16 query heads "
+                                f"per KV head and head_dim % 16 == 0 (page {self.page_size}, gqa {self.gqa}, "
+                                f"head_dim {self.head_dim})")
+        elif self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
             raise SpecError(f"attention_decode.consumer_warps={self.consumer_warps}: each warp must own a "
                             f"multiple of {rows} of the {self.page_size} tokens of a page")
-        if self.pipeline not in ("bulk", "plain"):
-            raise SpecError(f"attention_decode.pipeline must be 'bulk' or 'plain', got {self.pipeline!r}")
         if self.stages > 8:
             raise SpecError(f"attention_decode.stages must be 1..8, got {self.stages}")
         if self.splits > 65535:
@@ -110,24 +117,42 @@ class AttentionDecodeSpec(KernelSpec):
         if self.static_smem() > STATIC_SMEM_LIMIT:
             raise SpecError(f"attention_decode: {self.static_smem()} B of static shared memory > "
                             f"{STATIC_SMEM_LIMIT} (lower stages or consumer_warps)")
+        if self.ring_dynamic and self.ring_bytes() > DEFAULT.max_smem:
+            raise SpecError(f"attention_decode: a ring of {self.ring_bytes()} B > {DEFAULT.max_smem} B of shared "
+                            f"memory (lower stages)")
 
     @property
     def producers(self) -> int:
-        return 1 if self.pipeline == "bulk" else 0
+        return 0 if self.pipeline == "plain" else 1
+
+    def ring_bytes(self) -> int:
+        """The ring and the warps' merge buffer, which share memory (the template's Smem union)."""
+        row = self.head_dim + (8 if self.pipeline == "mma" else 0)   # mma pads each K/V row by 16 bytes
+        ring = 2 * self.stages * self.page_size * row * 2 * self.producers
+        merge = self.consumer_warps * self.gqa * self.head_dim * 4
+        return max(ring, merge)
+
+    @property
+    def ring_dynamic(self) -> bool:
+        """The mma pipeline's ring moves to dynamic shared memory when it outgrows the static 48 KB (its
+        warps each take whole pages: a deeper ring gives each one a page in flight behind the one it reads)."""
+        return self.pipeline == "mma" and self.ring_bytes() + self._fixed_smem() > STATIC_SMEM_LIMIT
+
+    def _fixed_smem(self) -> int:
+        return 2 * self.stages * 8 * self.producers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
 
     def static_smem(self) -> int:
-        ring = 2 * self.stages * self.page_size * self.head_dim * 2 * self.producers
-        barriers = 2 * self.stages * 8 * self.producers
-        merge = self.consumer_warps * self.gqa * self.head_dim * 4   # shares memory with the ring
-        return max(ring, merge) + barriers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
+        return self._fixed_smem() + (0 if self.ring_dynamic else self.ring_bytes())
 
     def context(self) -> dict:
         return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim),
-                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m)}
+                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m),
+                                    "ring_dynamic": self.ring_dynamic}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.kv_heads, self.splits, self.m),
-                      block=(32 * (self.producers + self.consumer_warps), 1, 1))
+                      block=(32 * (self.producers + self.consumer_warps), 1, 1),
+                      smem=self.ring_bytes() if self.ring_dynamic else 0)
 
 
 @dataclass(frozen=True)
@@ -213,7 +238,8 @@ def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int
     splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
-                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps, m=m),
+                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps,
+                                pipeline=a.pipeline, m=m),
             AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
 
 
