@@ -31,9 +31,9 @@ VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=2, consumer_warps=8),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="plain"),
     A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="plain"),
-    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, pipeline="mma"),
-    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=5, consumer_warps=2, pipeline="mma"),
-    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, pipeline="mma", m=8),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=4, pipeline="mma"),
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=6, consumer_warps=2, pipeline="mma"),
+    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, stages=4, pipeline="mma", m=8),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=8, pipeline="mma"),   # dynamic ring
 ]
 
@@ -78,7 +78,7 @@ def test_mma_decode_sass_is_tensor_core_work():
     of dim tiles an ldmatrix.trans and four for P V; one bulk copy per producer lane (a padded row each)."""
     if resources.tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
-    spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG)[1], pipeline="mma")
+    spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG)[1], pipeline="mma", stages=4)
     sass = resources.sass(codegen.build(spec).cubin)
     assert sass.count("HMMA.16816.F32") == 4 * 128 // 16 + 4 * 128 // 16
     assert sass.count("LDSM.16.M88.4") == 128 // 16 and sass.count("LDSM.16.MT88.4") == 128 // 16
@@ -104,6 +104,7 @@ def test_specs_for_model_fill_the_device():
     (dict(pipeline="tma"), "pipeline"),
     (dict(pipeline="mma", page_size=32), "16-token pages"),
     (dict(pipeline="mma", gqa=17), "query heads"),
+    (dict(pipeline="mma", stages=3), "multiple of consumer_warps"),
 ])
 def test_decode_spec_rejects_impossible_variants(kw, match):
     base = dict(head_dim=128, kv_heads=4, gqa=7, splits=33)

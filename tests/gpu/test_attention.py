@@ -236,7 +236,8 @@ def test_rope_append(fns, model, pos):
 
 def _decode_specs(d, m: int, pipeline: str):
     rope, dec, comb = A.decode_specs(d, CFG, m=m)
-    return rope, dataclasses.replace(dec, pipeline=pipeline), comb
+    ring = {"mma": dict(consumer_warps=4, stages=4)}.get(pipeline, {})   # mma: each warp its own slots
+    return rope, dataclasses.replace(dec, pipeline=pipeline, **ring), comb
 
 
 @pytest.mark.parametrize("pipeline", ["bulk", "mma"])

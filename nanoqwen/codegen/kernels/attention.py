@@ -107,6 +107,12 @@ class AttentionDecodeSpec(KernelSpec):
                 raise SpecError(f"attention_decode: pipeline 'mma' needs 16-token pages, at most 16 query heads "
                                 f"per KV head and head_dim % 16 == 0 (page {self.page_size}, gqa {self.gqa}, "
                                 f"head_dim {self.head_dim})")
+            if self.stages % self.consumer_warps:
+                # warp w takes pages w, w + CWARPS, ...: with slot = page % STAGES each slot must belong to one
+                # warp, or a warp a lap ahead of another passes a full barrier's parity meant for the next page
+                raise SpecError(f"attention_decode: pipeline 'mma' needs stages a multiple of consumer_warps "
+                                f"(each warp its own ring slots), got stages {self.stages}, "
+                                f"consumer_warps {self.consumer_warps}")
         elif self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
             raise SpecError(f"attention_decode.consumer_warps={self.consumer_warps}: each warp must own a "
                             f"multiple of {rows} of the {self.page_size} tokens of a page")
