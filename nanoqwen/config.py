@@ -87,6 +87,7 @@ MAX_ROWS = 16   # the multi-row step's ceiling: one accumulator set per row per 
 class Multirow:
     buckets: tuple[int, ...]
     gemv_warps: int
+    lm_head_rows_per_warp: int
 
     def __post_init__(self):
         b = self.buckets
@@ -94,6 +95,8 @@ class Multirow:
             raise ConfigError(f"multirow.buckets must rise strictly from 1 to at most {MAX_ROWS}, got {list(b)}")
         if not 1 <= self.gemv_warps <= 32:
             raise ConfigError(f"multirow.gemv_warps must be 1..32, got {self.gemv_warps}")
+        if not 1 <= self.lm_head_rows_per_warp <= 32:
+            raise ConfigError(f"multirow.lm_head_rows_per_warp must be 1..32, got {self.lm_head_rows_per_warp}")
 
 
 @dataclass(frozen=True)

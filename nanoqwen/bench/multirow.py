@@ -21,9 +21,9 @@ from .gemv_case import GemvCase
 from .replay import graph_seconds
 
 LM_GRAPH_CALLS = 20   # lm_head reads 1.09 GB per call (> L2): no weight rotation needed
-# lm_head tiles timed beside the configured one at m >= 4 (tuning data: at m >= 8 the staged rows of h leave
-# one CTA of 8 warps per SM). Warps and vocab rows per warp leave a row's arithmetic as it is.
-LM_VARIANTS = (dict(warps=16), dict(rows_per_warp=2), dict(warps=16, rows_per_warp=2))
+# lm_head tiles timed beside the configured one at m > 1 (tuning data: at m >= 8 the staged rows of h leave
+# one CTA of 8 warps per SM). Warps, vocab rows per warp and an even unroll leave a row's arithmetic as it is.
+LM_VARIANTS = (dict(rows_per_warp=1), dict(rows_per_warp=4, unroll=8), dict(warps=16))
 
 
 def _graph_seconds(launch_one, calls: int, stream: driver.Stream) -> tuple[float, float, float]:
@@ -83,7 +83,7 @@ def run(stream: driver.Stream, copy_GBps: float, dims: ModelDims = QWEN25_7B, cf
     todo = [(role, tuned.role_spec(role, dims, cfg, gpu_name, m)) for role in roles
             for m in buckets]
     todo += [("lm_head", lm_head.model_spec(dims, cfg, m=m)) for m in buckets]
-    for m in (m for m in buckets if m >= 4):
+    for m in (m for m in buckets if m > 1):
         for kw in LM_VARIANTS:
             spec = dataclasses.replace(lm_head.model_spec(dims, cfg, m=m), **kw)
             try:

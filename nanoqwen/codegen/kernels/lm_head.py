@@ -45,6 +45,7 @@ ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not wri
 
 _SMEM_STATIC_MAX = 48 * 1024
 _SMEM_MARGIN = 4096   # static shared memory beside x (per-row warp sums and maxima) + the 1 KB sm_90 reservation
+_ACC_PAIRS = 16   # m x rows_per_warp chain pairs per lane at m > 1: 7B at 16 x 2 holds 255 registers and spills
 MAX_M = config.MAX_ROWS   # activation rows of the multi-row step
 
 
@@ -136,15 +137,20 @@ class LmHeadArgmaxSpec(KernelSpec):
 
 def model_spec(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT, m: int = 1) -> LmHeadArgmaxSpec:
     """The lm_head + argmax over m rows. m > 1 keeps every per-row arithmetic choice of m = 1 (a vocab row's
-    lanes, chains and warp sum do not depend on the grid) and fits the grid to the residency its staged x
-    allows (7B: 14 KB per row), so that every CTA is resident at once."""
+    lanes, chains and warp sum depend on neither the grid nor rows_per_warp; the argmax key is order-free),
+    reduces up to multirow.lm_head_rows_per_warp vocab rows per warp (each x read from shared memory serves
+    them all: m x reads per weight is what holds the m-row kernel back; at most _ACC_PAIRS accumulator pairs
+    per lane) and fits the grid to the residency its
+    staged x allows (7B: 14 KB per row), so that every CTA is resident at once."""
     lm = cfg.lm_head
     spec = LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
                             rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
                             ctas=lm.ctas_per_sm * gpu.sm_count, m=m)
     if m > 1:
         resident = max(1, gpu.max_smem // (spec.xs_bytes + _SMEM_MARGIN))
-        spec = dataclasses.replace(spec, ctas=min(lm.ctas_per_sm, resident) * gpu.sm_count)
+        rows = max(r for r in range(1, cfg.multirow.lm_head_rows_per_warp + 1)
+                   if dims.vocab % r == 0 and (r == 1 or m * r <= _ACC_PAIRS))
+        spec = dataclasses.replace(spec, ctas=min(lm.ctas_per_sm, resident) * gpu.sm_count, rows_per_warp=rows)
     spec.validate()
     return spec
 
