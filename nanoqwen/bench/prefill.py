@@ -19,6 +19,7 @@ same holds for the fp16 baseline, which reads 4x the bytes."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 from dataclasses import replace
@@ -32,6 +33,7 @@ from ..codegen.kernels import gemm_wgmma as GW
 from ..codegen.spec import SpecError
 from ..dims import QWEN25_7B
 from ..runtime import driver
+from .kernels import git_commit
 
 REPS = 20
 WARMUP = 3
@@ -132,7 +134,9 @@ def run(ms=(32, 512, 4096)) -> dict:
     cfg = config.default()
     group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
     wgmmas = GW.model_gemms(QWEN25_7B, group)
-    out = {"gemm": [], "wgmma": [], "attention": []}
+    out = {"kind": "nanoqwen-bench-prefill", "gpu": driver.device().props.name, "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gemm": [], "wgmma": [], "attention": []}
     for m in ms:
         tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
                            else (G.model_gemms(QWEN25_7B, group), VARIANTS))
