@@ -9,7 +9,8 @@ A chunk of at most ``prefill.small_m_tokens`` rows (an editor's tail, issue 21) 
 tiles instead (``gemm.model_gemms(small_m=True)``) with SMALL_VARIANTS beside them, each row also reporting
 the weight stream's bandwidth (such a chunk reads all the weights for a few rows: bytes, not FLOPs, bound
 it). Every tile there keeps a row's arithmetic (sequential K, no split-K), so any of them keeps chunk
-invariance.
+invariance, except the split_k rows (residual roles only): a diagnostic of whether the serial K loop's
+latency, not the bytes, bounds a short chunk (a fixed-order split of K in every GEMM would keep invariance).
 
 Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--json FILE]`` (those M by default).
 Timing: events around one launch, after warm-up; median of ``REPS``. Weights are reused across calls
@@ -43,7 +44,8 @@ VARIANTS = ({}, dict(bm=64, min_blocks=2), dict(bk=128, stages=3), dict(bm=64, b
             dict(split_k=2), dict(split_k=4))   # split_k: residual GEMMs only
 # Small-M tile variants (the first is the small-M default; invalid ones for a shape are skipped).
 SMALL_VARIANTS = ({}, dict(bn=64), dict(bn=128), dict(bn=64, warps_n=8), dict(bm=32, warps_m=2),
-                  dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128))
+                  dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128),
+                  dict(split_k=2), dict(split_k=4))
 
 
 def _time(call, stream) -> float:
