@@ -140,8 +140,8 @@ def model_spec(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT, m
     lanes, chains and warp sum depend on neither the grid nor rows_per_warp; the argmax key is order-free),
     reduces up to multirow.lm_head_rows_per_warp vocab rows per warp (each x read from shared memory serves
     them all: m x reads per weight is what holds the m-row kernel back; at most _ACC_PAIRS accumulator pairs
-    per lane) and fits the grid to the residency its
-    staged x allows (7B: 14 KB per row), so that every CTA is resident at once."""
+    per lane) and fits the grid to the residency its staged x allows (7B: 14 KB per row), so that every CTA
+    is resident at once."""
     lm = cfg.lm_head
     spec = LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
                             rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
