@@ -35,12 +35,10 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
 def tmp_store(tmp_path, monkeypatch):
     """The user's tuned results under a fresh cache root (the shipped file is read beside it, never written)."""
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path))
-    store.lookup_params.cache_clear()
-    store.lookup_base.cache_clear()
+    store.merged_entries.cache_clear()
     tuned._notice_once.cache_clear()
     yield store.user_path()
-    store.lookup_params.cache_clear()
-    store.lookup_base.cache_clear()
+    store.merged_entries.cache_clear()
 
 
 def test_tuned_entry_is_used_missing_and_stale_fall_back(tmp_store, capsys):

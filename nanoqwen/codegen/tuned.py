@@ -66,7 +66,7 @@ def _single_row(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None)
 def tuned_specs(dims: ModelDims, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
     """Every GEMV the decoder builds, m = 1 and each multirow bucket, for each GPU and role the store has a
     tuned entry for (any m): CI compiles them too (no spills)."""
-    keys = tuned_store.load()["entries"]
+    keys = tuned_store.merged_entries()
     gpus = sorted({k.split("|")[0] for k in keys})
     tuned = [(gpu, role) for gpu in gpus for role in gemv.ROLES
              if any(entry_key(role, dims, cfg, gpu, m) in keys for m in cfg.multirow.buckets)]

@@ -83,20 +83,23 @@ def merge_write(entries: dict, meta: dict, path: Path | None = None) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    lookup_params.cache_clear()
-    lookup_base.cache_clear()
+    merged_entries.cache_clear()
 
 
 @cache
+def merged_entries() -> dict:
+    """The merged entries (``load()``), read once; ``merge_write`` drops them."""
+    return load()["entries"]
+
+
 def lookup_params(k: str) -> dict | None:
-    entry = load()["entries"].get(k)
+    entry = merged_entries().get(k)
     return None if entry is None else dict(entry["params"])
 
 
-@cache
 def lookup_base(k: str) -> str | None:
     """An m-row entry's m = 1 kernel (its URI): the tile holds only beside that kernel."""
-    entry = load()["entries"].get(k)
+    entry = merged_entries().get(k)
     return None if entry is None else entry.get("base_uri")
 
 
