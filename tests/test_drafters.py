@@ -155,3 +155,44 @@ def test_speculation_learns_acceptance_and_explores():
     assert s.acceptance > 0.9 and len(s.draft(15)) == 7
     free = Speculation(Scripted())
     assert len(free.draft(15)) == 15 and free.draft(0) == []
+
+
+def state(s: Speculation) -> tuple:
+    return s.plain_run, s.seen, s.drafted, s.accepted, s.verifies, s.drafter.asked
+
+
+def test_commit_plain_on_the_h200_costs():
+    """Below the plain threshold the rounds up to the exploring verify are committed at once, at most the
+    limit; none where a draft is worth it, where the next round explores, or without costs."""
+    s = Speculation(Scripted(), H200)
+    s.seen = [1.0, 9.0]   # p = 0.1: plain steps
+    assert s.commit_plain(15) == EXPLORE - 1 and s.plain_run == EXPLORE - 1
+    assert s.commit_plain(15) == 0 and s.draft(15) == [7] and s.plain_run == 0   # the next round explores
+    assert s.commit_plain(4) == 4 and s.commit_plain(15) == EXPLORE - 5 and s.commit_plain(0) == 0
+    s.plain_run, s.seen = 3, [8.0, 2.0]   # p = 0.8: drafts
+    assert s.commit_plain(15) == 0 and s.plain_run == 3
+    assert s.drafter.asked == [1]
+    assert Speculation(Scripted()).commit_plain(15) == 0 and Speculation(None, H200).commit_plain(15) == 0
+
+
+@given(st.integers(0, EXPLORE - 1), st.floats(0.01, 5.0), st.floats(0.01, 5.0), st.integers(2, 40),
+       st.integers(1, 15), st.sampled_from([H200, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.6}, {1: 1.0, 2: 1.5}, None]))
+def test_commit_plain_is_the_rounds_it_replaces(plain_run, accepted, rejected, left, max_draft, costs):
+    """commit_plain(limit) is the n next rounds whose draft() returns [] without asking the drafter, their
+    limits shrinking with the tokens left as the engine passes them (``left`` tokens to go): it leaves the
+    state n such calls leave, and is all of them up to the limit (the round after it drafts alike)."""
+    new, old = Speculation(Scripted(), costs), Speculation(Scripted(), costs)
+    for s in (new, old):
+        s.plain_run, s.seen = plain_run, [accepted, rejected]
+
+    def limit(j):   # the draft limit j rounds on
+        return min(left - 1 - j, max_draft)
+
+    n = new.commit_plain(limit(0))
+    assert 0 <= n <= limit(0)
+    for j in range(n):
+        assert old.draft(limit(j)) == [] and not old.drafter.asked
+    assert state(new) == state(old)
+    if n < limit(0):   # a round that may draft follows
+        assert new.draft(limit(n)) == old.draft(limit(n)) and old.drafter.asked
+        assert state(new) == state(old)

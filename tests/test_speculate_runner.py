@@ -3,7 +3,8 @@ fake device of tests/test_decoder_plan.py (the numpy reference with paged K/V st
 with the prompt prefilled through the decode step or batched and each verify a multi-row step:
 greedy tokens equal plain decoding's with always-wrong, oracle, random and prompt-lookup drafters, the
 device is fed exactly the verified positions, the kept sequence holds only accepted positions, and
-closing early keeps what was accepted.
+closing early keeps what was accepted. With step costs, the plain steps the speculation commits to are
+launched ahead of the host, with the counters of one draft() per round.
 
 Class (a) of docs/architecture.md ("Exact or within a tolerance"): the fake device computes every row,
 batched or not, as the numpy reference's single decode step (``Reference.extend`` is row invariant), so a
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 from _drafting import Script
 from test_decoder_plan import PROMPT, fake_device, nqfile  # noqa: F401 - nqfile is a fixture
+from test_drafters import H200
 
 from nanoqwen.reference import Reference
-from nanoqwen.runtime.drafters import PromptLookup
+from nanoqwen.runtime.drafters import PromptLookup, Speculation
 from nanoqwen.runtime.sampler import Sampling
 
 N_NEW = 14
@@ -122,3 +124,84 @@ def test_shortest_requests(nqfile, monkeypatch, n):  # noqa: F811
     assert run.spec.drafted == run.spec.accepted == max(0, n - 2)
     (kept,) = run.cache.kept.values()
     assert kept.tokens == PROMPT + want[:-1]
+
+
+def one_draft_per_round(spec: Speculation, want: list[int], max_draft: int) -> Speculation:
+    """The speculative rounds as they ran before plain steps were committed (a draft() every round, each
+    round without drafts one step), on the host alone with the model choosing ``want``: the choices after a
+    rejected draft are not the model's, but nothing reads them."""
+    gen = spec.accept([], want[:1])
+    while len(gen) < len(want):
+        drafts = spec.draft(min(len(want) - len(gen) - 1, max_draft))
+        gen += spec.accept(drafts, want[len(gen):len(gen) + len(drafts) + 1])
+    return spec
+
+
+def logged(run, monkeypatch) -> list:
+    """("step", position) for each decode step enqueued, ("wait", step) for each token the host waits on."""
+    log, step, wait = [], run.decoder.step, run.shared.wait_step
+    monkeypatch.setattr(run.decoder, "step", lambda i, **kw: (log.append(("step", i)), step(i, **kw))[1])
+    monkeypatch.setattr(run.shared, "wait_step", lambda i: (log.append(("wait", i)), wait(i))[1])
+    return log
+
+
+N_LONG = 40   # long enough for the H200 costs to turn rejected drafts into plain stretches, and explore
+
+
+@pytest.mark.parametrize("kind", ["wrong", "rare", "random", "oracle", "lookup"])
+def test_committed_plain_steps_run_ahead(nqfile, monkeypatch, kind):  # noqa: F811
+    """With the H200's step costs: plain greedy's tokens, the counters and acceptance estimate of one
+    draft() per round, and the committed plain steps enqueued ``ahead`` of the token the host waits on
+    (drafts always rejected: the costs choose plain stretches), never further."""
+    run, dev = spec_device(nqfile, monkeypatch, True)
+    want = list(run.generate(PROMPT, N_LONG))
+
+    def setting():
+        rng, vocab = random.Random(1), run.dims.vocab
+        chance = {"wrong": 0.0, "rare": 0.15, "random": 0.6, "oracle": 1.0}.get(kind)
+        return PromptLookup(max_draft=4) if kind == "lookup" else \
+            Script(want, lambda t: t if rng.random() < chance else (t + 1) % vocab, 3)
+
+    before = one_draft_per_round(Speculation(setting()(PROMPT), H200), want, run.max_draft)
+    run.speculate, run.costs = setting(), H200
+    run.cache.clear()
+    dev.fed.clear()
+    log = logged(run, monkeypatch)
+    assert list(run.generate(PROMPT, N_LONG)) == want
+    s = run.spec
+    assert (s.drafted, s.accepted, s.verifies, s.seen, s.plain_run) == \
+        (before.drafted, before.accepted, before.verifies, before.seen, before.plain_run)
+    assert len(dev.fed) == len(PROMPT) + N_LONG - 1 + s.drafted - s.accepted
+    (kept,) = run.cache.kept.values()
+    assert kept.tokens == PROMPT + want[:-1]
+    steps, ahead = [], []
+    for what, i in log:
+        if what == "step":
+            steps.append(i)
+        else:
+            ahead.append(max(steps, default=i) - i)   # steps enqueued past the one waited on
+    assert max(ahead) <= run.ahead
+    if kind == "wrong":
+        assert max(ahead) == run.ahead and s.verifies < N_LONG // 2
+
+
+def test_close_in_a_plain_stretch_keeps_its_launched_steps(nqfile, monkeypatch):  # noqa: F811
+    """Closing inside a committed plain stretch: the steps launched ahead drain and are kept, their K/V
+    and tokens greedy's; the next request continues from them."""
+    run, dev = spec_device(nqfile, monkeypatch, True)
+    want = list(run.generate(PROMPT, N_LONG))
+    run.cache.clear()
+    run.speculate, run.costs = Script(want, lambda t: (t + 1) % run.dims.vocab, 3), H200
+    it = run.generate(PROMPT, N_LONG)
+    first = [next(it) for _ in range(12)]   # the verifies have made plain steps the rule's choice by now
+    it.close()
+    assert first == want[:12]
+    (kept,) = run.cache.kept.values()
+    assert len(kept.tokens) > len(PROMPT) + 12   # positions launched past the last token read
+    assert kept.tokens == PROMPT + want[:len(kept.tokens) - len(PROMPT)] == dev.history
+    q = PROMPT + first + [11, 12]
+    got = list(run.generate(q, 5))
+    assert run.cached_tokens >= len(PROMPT) + 12
+    run.speculate = None
+    run.cache.clear()
+    assert got == list(run.generate(q, 5))

@@ -20,7 +20,9 @@ raises k by 2, any rejection lowers it by 1, within [1, max_draft]. Where the en
 costs (the CUDA engine: the decode step and each multi-row bucket), ``Speculation`` caps k further to the
 draft length of the most expected tokens per unit of step time (``best_draft``), from an estimate of how
 likely the model accepts a draft token: a verify costs its bucket whether its drafts are right or not, and
-on the H200 a 16-row bucket costs 7.5 decode steps (results/speculate-h200-2026-12-04-rows-tuned.json)."""
+on the H200 a 16-row bucket costs 7.5 decode steps (results/speculate-h200-2026-12-04-rows-tuned.json).
+Where the rule chooses plain steps, ``commit_plain`` commits to the ones before the next exploring verify at
+once, so that the engine launches them back to back instead of one host round trip per token."""
 
 from __future__ import annotations
 
@@ -199,6 +201,18 @@ class Speculation:
             limit = max(k, 1)
             self.plain_run = 0
         return self.drafter.draft(limit)
+
+    def commit_plain(self, limit: int) -> int:
+        """Commits to the next n rounds as plain steps and returns n: n <= ``limit`` (the next
+        round's ``draft`` limit) rounds whose ``draft`` would return [] without asking the drafter, their
+        bookkeeping done here as those calls would do it; 0 where the next ``draft`` may verify (no costs,
+        a draft worth its cost, or the exploring round). The rule's k = 0 holds for all n: a plain step
+        leaves the acceptance estimate as it was, and later rounds' limits are no larger."""
+        if not (self.drafter and self.costs) or limit < 1 or best_draft(self.acceptance, self.costs, limit):
+            return 0
+        n = min(limit, EXPLORE - 1 - self.plain_run)   # the EXPLORE-th plain step in a row explores instead
+        self.plain_run += n
+        return n
 
     def accept(self, drafts: list[int], choices: list[int]) -> list[int]:
         """The verify step's tokens (``accept``); the drafter follows them."""

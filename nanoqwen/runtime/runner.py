@@ -16,7 +16,10 @@ Speculative decoding (``speculate``, a drafter setting of runtime/drafters.py; g
 tokens so far, ``verify`` runs the last token and k drafts at positions p..p+k as k + 1 rows of one
 multi-row step (runtime/rowstep.py, one captured graph per row bucket, every row bitwise a decode step
 of its token), and the accepted tokens move the position to the first rejected slot, whose K/V later
-writes overwrite. Output is plain greedy decoding's, bit for bit, by construction.
+writes overwrite. A round without drafts is a plain step; the plain steps the speculation commits to
+(``Speculation.commit_plain``: those its cost rule chooses before it explores again) are launched ahead
+like greedy's (``plain_steps``), not one host round trip each. Output is plain greedy decoding's, bit for
+bit, by construction.
 
 Closing the token iterator (EOS, Ctrl-C, a client gone) stops launching at once and drains what was
 launched ahead; the sequence is then kept with exactly the positions whose K/V was written and whose
@@ -60,15 +63,22 @@ class Runner:
 
     def verify(self, tokens: list[int], p: int) -> list[int]:
         """Positions p..p+k of the loaded sequence for ``tokens`` (the last accepted token and k drafts,
-        k <= max_draft) as k + 1 rows of one multi-row step (no drafts: one decode step); waits for and
-        returns the argmax after each, also left in the host's tok_out[p..p+k] as decode steps leave them."""
-        sh, k = self.shared, len(tokens) - 1
-        if not k:
-            by_steps(self.decoder, tokens, p, read_token=True)
-            sh.wait_step(p)
-        else:
-            sh.tok_out[p:p + k + 1] = self.rows.run(tokens, list(range(p, p + k + 1)))
-        return sh.tok_out[p:p + k + 1].tolist()
+        1 <= k <= max_draft) as k + 1 rows of one multi-row step; waits for and returns the argmax after
+        each, also left in the host's tok_out[p..p+k] as decode steps leave them."""
+        out = self.shared.tok_out[p:p + len(tokens)]
+        out[:] = self.rows.run(tokens, list(range(p, p + len(tokens))))
+        return out.tolist()
+
+    def plain_steps(self, k: int, end: int, launched: int):
+        """Greedy decode steps k..end - 1 continuing the device state, ``ahead`` of the host (steps before
+        ``launched`` are enqueued already): for each k, enqueue until the ``ahead`` steps after it are in
+        flight, wait for step k's token alone and yield it with the positions enqueued so far."""
+        for k in range(k, end):
+            while launched < min(end, k + 1 + self.ahead):
+                self.decoder.step(launched, read_token=True)
+                launched += 1
+            self.shared.wait_step(k)
+            yield int(self.shared.tok_out[k]), launched
 
     def reserve(self, total: int) -> None:
         """Load pages for a fresh sequence of ``total`` positions, dropping every kept sequence (warm-up
@@ -103,27 +113,34 @@ class Runner:
                 launched = P
                 if spec.drafter:   # speculative rounds; afterwards tok_out[P - 1 + i] == gen[i]
                     sh.wait_step(P - 1)
-                    block = spec.accept([], [int(sh.tok_out[P - 1])])   # the prefill's token, no drafts
-                    while True:
-                        gen += block
-                        launched = P + len(gen) - 1   # positions whose K/V holds an accepted token
-                        yield from block
-                        if len(gen) == max_new_tokens:
-                            break
-                        drafts = spec.draft(min(max_new_tokens - len(gen) - 1, self.max_draft))
-                        block = spec.accept(drafts, self.verify([gen[-1]] + drafts, launched))
-                else:
+                    gen += spec.accept([], [int(sh.tok_out[P - 1])])   # the prefill's token, no drafts
+                    yield gen[0]
+                    while len(gen) < max_new_tokens:
+                        limit = min(max_new_tokens - len(gen) - 1, self.max_draft)
+                        n = spec.commit_plain(limit)
+                        drafts = [] if n else spec.draft(limit)
+                        if drafts:
+                            block = spec.accept(drafts, self.verify([gen[-1]] + drafts, launched))
+                            gen += block
+                            launched = P + len(gen) - 1   # positions whose K/V holds an accepted token
+                            yield from block
+                        else:   # plain steps from the last token (a verify does not advance the decode state)
+                            dec.reset(gen[-1], launched, launched)
+                            for t, launched in self.plain_steps(launched, launched + max(n, 1), launched):
+                                gen += spec.accept([], [t])
+                                yield t
+                elif host:   # the host samples, or reads the logits of, each step before the next
                     for k in range(P - 1, total):
-                        if host and k >= launched:
+                        if k >= launched:
                             dec.step(k, feed=None if greedy else gen[-1], read_token=greedy, read_logits=True)
                             launched += 1
-                        while not host and launched < min(total, k + 1 + self.ahead):
-                            dec.step(launched, read_token=True)
-                            launched += 1
                         sh.wait_step(k)
-                        row = sh.logits() if host else None
+                        row = sh.logits()
                         gen.append(int(sh.tok_out[k]) if greedy else sample(row))
                         yield (gen[-1], row) if logits else gen[-1]
+                else:
+                    for t, launched in self.plain_steps(P - 1, total, launched):
+                        yield t
                 clean = True
             except GeneratorExit:   # closed early: the steps launched ahead still drain
                 clean = True
