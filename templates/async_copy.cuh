@@ -1,5 +1,6 @@
-// mbarrier + cp.async.bulk helpers (sm_90). Header-free like common.cuh: every helper is one PTX
-// instruction with a one-line "why". Shared-memory operands are 32-bit shared-window addresses (smem_addr).
+// mbarrier + cp.async.bulk helpers (sm_90), and the mbarrier completion of plain cp.async. Header-free like
+// common.cuh: every helper is one PTX instruction with a one-line "why". Shared-memory operands are 32-bit
+// shared-window addresses (smem_addr).
 //
 // Phase protocol used by the producer/consumer rings (PTX ISA, mbarrier): a barrier starts in phase 0;
 // a phase completes when its pending arrivals reach 0 AND its transaction count (expect_tx bytes minus
@@ -54,6 +55,15 @@ NQ_DEVICE void mbar_wait(u32 bar, u32 parity) {
     for (u32 tries = 0; !mbar_try_wait(bar, parity); ++tries) {
         if (tries == (1u << 24)) __trap();
     }
+}
+
+// One arrival on `bar` once every cp.async (mma.cuh's cp_async_16*) this thread issued so far has landed:
+// a ring of plain cp.async copies completes on an mbarrier like a bulk-copy ring, instead of a per-thread
+// wait_group. .noinc: the arrival counts against the barrier's init count (every copying thread one), so
+// a warp of copying lanes needs init 32 and no separate mbarrier.arrive. Unlike cp.async.bulk, cp.async
+// writes through the generic proxy (PTX ISA): no fence.proxy.async between it and plain loads or stores.
+NQ_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 
 // Orders generic-proxy global writes this thread can see (the previous kernel's K/V append, made visible

@@ -1,6 +1,7 @@
-"""CPU tests of the attention side (no GPU): every rope_append / attention_decode variant renders and compiles for sm_90a without spills or local memory (tests/test_kernel_params.py checks
-its generated parameter list), the SASS really uses the bulk-copy engine and mbarriers; spec validation; and the
-paged KV cache's layout, reservation and error cases."""
+"""CPU tests of the attention side (no GPU): every rope_append / attention_decode variant renders and
+compiles for sm_90a without spills or local memory (tests/test_kernel_params.py checks its generated
+parameter list), the SASS really uses the bulk-copy engine (mma: cp.async) and mbarriers; spec validation;
+and the paged KV cache's layout, reservation and error cases."""
 
 from __future__ import annotations
 
@@ -75,14 +76,20 @@ def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
 
 def test_mma_decode_sass_is_tensor_core_work():
     """pipeline "mma": per k16 step of a page two ldmatrix-fed mma.sync pairs for S (q hi and lo), per pair
-    of dim tiles an ldmatrix.trans and four for P V; one bulk copy per producer lane (a padded row each)."""
+    of dim tiles an ldmatrix.trans and four for P V. The producer's 32 lanes copy by cp.async, 16 bytes x 16
+    per lane a page (8 KB of K and V), completing on the full barrier by one cp.async.mbarrier.arrive each;
+    nothing goes through the copy engine (async proxy), so no fence.proxy.async.global either."""
     if resources.tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
-    spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG)[1], pipeline="mma", stages=4)
-    sass = resources.sass(codegen.build(spec).cubin)
-    assert sass.count("HMMA.16816.F32") == 4 * 128 // 16 + 4 * 128 // 16
-    assert sass.count("LDSM.16.M88.4") == 128 // 16 and sass.count("LDSM.16.MT88.4") == 128 // 16
-    assert sass.count("UBLKCP") == 1 and "LDL" not in sass and "STL" not in sass
+    for m in (1, 8):
+        spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG, m=m)[1], pipeline="mma", stages=4)
+        sass = resources.sass(codegen.build(spec).cubin)
+        assert sass.count("HMMA.16816.F32") == 4 * 128 // 16 + 4 * 128 // 16
+        assert sass.count("LDSM.16.M88.4") == 128 // 16 and sass.count("LDSM.16.MT88.4") == 128 // 16
+        assert sass.count("LDGSTS.E.BYPASS.128") == 2 * 16 * 128 * 2 // 16 // 32
+        assert sass.count("ARRIVES.LDGSTSBAR.64.ARVCNT") == 1
+        assert "UBLKCP" not in sass and "FENCE.VIEW.ASYNC.G" not in sass
+        assert "LDL" not in sass and "STL" not in sass
 
 
 def test_specs_for_model_fill_the_device():

@@ -74,10 +74,10 @@ class AttentionDecodeSpec(KernelSpec):
     page_size: int = 16
     stages: int = 3           # K/V pages in flight (ring depth)
     consumer_warps: int = 4   # softmax warps beside the producer warp
-    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "mma": the same producer
-    # and ring, the consumers on the tensor cores (each warp whole pages; another rounding of the same
-    # math); "plain": consumers read pages straight from global with bulk's math, no producer/ring: a
-    # debugging oracle on the GPU.
+    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "mma": a producer warp
+    # whose 32 lanes fill the ring (padded rows) by cp.async, the consumers on the tensor cores (each warp
+    # whole pages; another rounding of the same math); "plain": consumers read pages straight from global
+    # with bulk's math, no producer/ring: a debugging oracle on the GPU.
     pipeline: str = "bulk"
     m: int = 1                # rows (queries at their own positions), grid.z
 
