@@ -26,18 +26,28 @@ struct SplitMerge {
 // ml[2 * (h * SPLITS + s)], acc at acc[(h * SPLITS + s) * HD]), by the THREADS threads of one CTA:
 // o[d] = sum_s acc_s[d] * w_s / sum_s l_s * w_s, w_s = exp2(m2_s - max_s m2_s), both sums fmaf chains in
 // split order; empty splits (-inf, 0, 0) weigh 0. At least one split of each head saw a key (l > 0).
-// The partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never L1.
+// The partials were written by other CTAs of this grid: read through L2 (ld.global.cg), never L1. One CTA
+// reads them all, so the loops are unrolled: a thread's loads go out together (up to 24 splits' acc at
+// once), one L2 round trip a batch.
 template <int GQA, int HD, int SPLITS, int THREADS>
 NQ_DEVICE void merge_splits(const float* ml, const float* acc, f16* o16, SplitMerge<GQA, SPLITS>& sh) {
     static_assert(HD % 4 == 0, "four dims per thread");
-    for (int i = threadIdx.x; i < GQA * SPLITS * 2; i += THREADS) (&sh.ml[0][0][0])[i] = __ldcg(ml + i);
+    constexpr int ML = GQA * SPLITS * 2, ITEMS = GQA * HD / 4;   // (m2, l) floats; float4 outputs
+    constexpr int BATCH = (SPLITS + (SPLITS + 23) / 24 - 1) / ((SPLITS + 23) / 24);   // <= 24 float4 in registers
+#pragma unroll
+    for (int j = 0; j < (ML + THREADS - 1) / THREADS; ++j) {
+        const int i = j * THREADS + threadIdx.x;
+        if (i < ML) (&sh.ml[0][0][0])[i] = __ldcg(ml + i);
+    }
     __syncthreads();
     if (threadIdx.x < GQA) {
         const int h = threadIdx.x;
         float m = NQ_NEG_INF;
+#pragma unroll 8
         for (int s = 0; s < SPLITS; ++s) m = fmaxf(m, sh.ml[h][s][0]);
         const float ref = softmax_ref(m);
         float den = 0.f;
+#pragma unroll 8
         for (int s = 0; s < SPLITS; ++s) {
             sh.w[h][s] = part_weight(sh.ml[h][s][0], ref);
             den = fmaf(sh.ml[h][s][1], sh.w[h][s], den);
@@ -45,13 +55,23 @@ NQ_DEVICE void merge_splits(const float* ml, const float* acc, f16* o16, SplitMe
         sh.den[h] = den;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < GQA * HD / 4; i += THREADS) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < ITEMS; i += THREADS) {
         const int h = i / (HD / 4), d = 4 * (i % (HD / 4));
         float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s = 0; s < SPLITS; ++s) {
-            const float4 a = __ldcg(reinterpret_cast<const float4*>(acc + (h * SPLITS + s) * HD + d));
-            const float w = sh.w[h][s];
-            num = make_float4(fmaf(a.x, w, num.x), fmaf(a.y, w, num.y), fmaf(a.z, w, num.z), fmaf(a.w, w, num.w));
+#pragma unroll 1
+        for (int s0 = 0; s0 < SPLITS; s0 += BATCH) {   // BATCH loads in flight, then their fmafs in order
+            float4 a[BATCH];
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j)
+                if (s0 + j < SPLITS) a[j] = __ldcg(reinterpret_cast<const float4*>(acc + (h * SPLITS + s0 + j) * HD + d));
+#pragma unroll
+            for (int j = 0; j < BATCH; ++j) {
+                if (s0 + j >= SPLITS) break;
+                const float w = sh.w[h][s0 + j];
+                num = make_float4(fmaf(a[j].x, w, num.x), fmaf(a[j].y, w, num.y), fmaf(a[j].z, w, num.z),
+                                  fmaf(a[j].w, w, num.w));
+            }
         }
         const float den = sh.den[h];
         *reinterpret_cast<uint2*>(o16 + h * HD + d) =
