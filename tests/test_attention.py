@@ -1,7 +1,7 @@
-"""CPU tests of the attention side (no GPU): every rope_append / attention_decode variant renders and
-compiles for sm_90a without spills or local memory (tests/test_kernel_params.py checks its generated
-parameter list), the SASS really uses the bulk-copy engine (mma: cp.async) and mbarriers; spec validation;
-and the paged KV cache's layout, reservation and error cases."""
+"""CPU tests of the attention side (no GPU): every rope_append / attention_decode / attention_combine
+variant renders and compiles for sm_90a without spills or local memory (tests/test_kernel_params.py checks
+its generated parameter list), the SASS really uses the bulk-copy engine (mma: cp.async) and mbarriers;
+spec validation; and the paged KV cache's layout, reservation and error cases."""
 
 from __future__ import annotations
 
@@ -64,10 +64,9 @@ def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
     sass = resources.sass(built[spec].cubin)
     assert sass.count("UBLKCP") == 2, "one bulk copy each for the K and the V page"
     assert "SYNCS.ARRIVE.TRANS64" in sass and "SYNCS.PHASECHK" in sass
-    # CTA-wide barriers: after mbarrier init, after both roles left their branches, two around the
-    # split's arrival and two in the last CTA's merge; one named barrier over the 4 consumer warps only
-    # (before the merge buffer overwrites the ring)
-    assert len(re.findall(r"BAR\.SYNC\S* 0x0 ;", sass)) == 6
+    # exactly two CTA-wide barriers (after mbarrier init, after both roles left their branches) and one
+    # named barrier over the 4 consumer warps only (before the merge buffer overwrites the ring)
+    assert len(re.findall(r"BAR\.SYNC\S* 0x0 ;", sass)) == 2
     assert len(re.findall(r"BAR\.SYNC\S* 0x1, 0x80 ;", sass)) == 1
     assert "LDL" not in sass and "STL" not in sass
     plain = resources.sass(built[dataclasses.replace(spec, pipeline="plain")].cubin)
@@ -93,11 +92,11 @@ def test_mma_decode_sass_is_tensor_core_work():
 
 
 def test_specs_for_model_fill_the_device():
-    rope, dec = A.decode_specs(QWEN25_7B, CFG)
+    rope, dec, comb = A.decode_specs(QWEN25_7B, CFG)
     assert dec.launch().grid == (4, 33, 1) and dec.gqa == 7 and dec.page_size == CFG.kv_cache.page_size
+    assert comb.splits == dec.splits and comb.heads == 28
     assert rope.launch().grid == (32, 1, 1) and rope.launch().block == (64, 1, 1)
-    assert A.partial_bytes(dec) == (28 * 33 * 128 * 4, 28 * 33 * 2 * 4, 4 * 4)
-    assert A.partial_bytes(dataclasses.replace(dec, m=8)) == (8 * 28 * 33 * 128 * 4, 8 * 28 * 33 * 2 * 4, 8 * 4 * 4)
+    assert A.partial_bytes(dec) == (28 * 33 * 128 * 4, 28 * 33 * 2 * 4)
     assert A.decode_specs(tiny_dims(), CFG)[1].splits == CFG.attention.ctas_per_sm * DEFAULT_GPU.sm_count
 
 
@@ -119,9 +118,11 @@ def test_decode_spec_rejects_impossible_variants(kw, match):
         A.AttentionDecodeSpec(**(base | kw)).validate()
 
 
-def test_rope_append_rejects_bad_head_dim():
+def test_other_specs_reject_bad_head_dim():
     with pytest.raises(SpecError, match="head_dim"):
         A.RopeAppendSpec(head_dim=96, heads=7, kv_heads=1).validate()
+    with pytest.raises(SpecError, match="head_dim"):
+        A.AttentionCombineSpec(head_dim=48, heads=7, splits=4).validate()
 
 
 # ---------------------------------------------------------------- paged KV cache (host logic)

@@ -71,17 +71,19 @@ def test_floor_and_mbu_arithmetic():
 # ---- region grouping ---------------------------------------------------------------------------------
 
 def fake_sequence(layers: int = 2):
-    roles = ["embed"] + ["qkv", "rope_append", "attention_decode", "o_proj", "gate_up", "down"] * layers + ["lm_head"]
+    roles = ["embed"] + ["qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up",
+                         "down"] * layers + ["lm_head"]
     return [(r, None, None, {}) for r in roles]
 
 
-def test_groups_follow_launch_order():
+def test_groups_merge_decode_and_combine_and_follow_launch_order():
     seq = fake_sequence(2)
     groups = itl._groups(seq, per_launch=False)
     names = [g for g, _ in groups]
     assert names == ["embed"] + ["qkv_gemv", "rope_append", "paged_attention", "o_proj", "gate_up_gemv",
                                  "down"] * 2 + ["lm_head_argmax"]
     assert [i for _, idx in groups for i in idx] == list(range(len(seq)))   # every launch exactly once
+    assert groups[3][1] == [3, 4]                                           # decode + combine
     per = itl._groups(seq, per_launch=True)
     assert [idx for _, idx in per] == [[i] for i in range(len(seq))]
 
@@ -256,8 +258,8 @@ class FakeClock:
     t = 0.0
 
 
-ROLE_US = {"embed": 2, "qkv": 10, "rope_append": 3, "attention_decode": 8, "o_proj": 8, "gate_up": 50, "down": 30,
-           "lm_head": 260}
+ROLE_US = {"embed": 2, "qkv": 10, "rope_append": 3, "attention_decode": 6, "attention_combine": 2, "o_proj": 8,
+           "gate_up": 50, "down": 30, "lm_head": 260}
 
 
 class FakeEvent:
@@ -358,9 +360,9 @@ def test_breakdown_sums_regions_over_layers_on_a_simulated_clock(fake_driver):
     assert us["qkv_gemv"] == pytest.approx(layers * 10) and us["paged_attention"] == pytest.approx(layers * 8)
     assert us["lm_head_argmax"] == pytest.approx(260) and us["embed"] == pytest.approx(2)
     assert res["regions_sum_ms"] == pytest.approx(res["eager_step_ms"])
-    assert res["graph_minus_regions_ms"] == pytest.approx(-5e-3) and res["launches"] == 2 + 6 * layers
+    assert res["graph_minus_regions_ms"] == pytest.approx(-5e-3) and res["launches"] == 2 + 7 * layers
     prof = itl.profile(dec, context=100, reps=2)
-    assert [k["layer"] for k in prof["kernels"]] == [None] + [i for i in range(layers) for _ in range(6)] + [None]
+    assert [k["layer"] for k in prof["kernels"]] == [None] + [i for i in range(layers) for _ in range(7)] + [None]
     assert prof["total_us"] == pytest.approx(1e3 * res["regions_sum_ms"])
     assert "lm_head_kernel" in itl.slowest(prof).splitlines()[2]
 

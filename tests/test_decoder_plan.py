@@ -223,7 +223,7 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     w, kv = sh.weights, sh.kv
     kernels = dec.kernels
     roles = [role for role, *_ in dec.sequence]
-    per_layer = ["qkv", "rope_append", "attention_decode", "o_proj", "gate_up", "down"]
+    per_layer = ["qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up", "down"]
     assert roles == ["embed"] + per_layer * d.layers + ["lm_head"]
     buffers = [dec.bufs[n] for n in dec.bufs.names] + [sh.bufs[n] for n in sh.bufs.names] + \
         [w.base, kv.page_table, *kv.k, *kv.v]

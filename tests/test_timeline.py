@@ -106,25 +106,26 @@ def test_probe_decode_undoes_the_complement():
 
 # ---- the arithmetic, on hand-made stamps ----------------------------------------------------------------
 
-ROLES = ["embed", "qkv", "rope_append", "attention_decode", "o_proj", "gate_up", "down", "lm_head"]
+ROLES = ["embed", "qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up", "down",
+         "lm_head"]
 
 
 def _stamps(shift: int = 0) -> np.ndarray:
     """(start, wait, end) ns of one step: PDL overlaps (qkv starts inside embed), one idle gap of 30 ns
     (before rope_append), the rest back to back."""
-    s = [(0, 10, 50), (20, 50, 200), (230, 230, 260), (250, 260, 400), (400, 420, 500), (480, 500, 700),
-         (690, 700, 800), (800, 810, 1000)]
+    s = [(0, 10, 50), (20, 50, 200), (230, 230, 260), (250, 260, 400), (400, 400, 420), (410, 420, 500),
+         (480, 500, 700), (690, 700, 800), (800, 810, 1000)]
     return np.array(s, dtype=np.int64) + 10_000 + shift
 
 
 def test_replay_arithmetic_adds_up():
     r = timeline.replay_times(_stamps())
     assert r["start"].tolist()[:3] == [0, 20, 230] and r["wait"][1] == 50 and r["end"][-1] == 1000
-    assert r["busy"].tolist() == [50, 180, 30, 150, 100, 220, 110, 200]
-    assert r["gap_before"].tolist() == [0, 0, 30, 0, 0, 0, 0, 0]
-    assert r["own"].tolist() == [50, 150, 30, 140, 100, 200, 100, 200]
+    assert r["busy"].tolist() == [50, 180, 30, 150, 20, 90, 220, 110, 200]
+    assert r["gap_before"].tolist() == [0, 0, 30, 0, 0, 0, 0, 0, 0]
+    assert r["own"].tolist() == [50, 150, 30, 140, 20, 80, 200, 100, 200]
     assert r["span"] == 1000 and r["kernel_gap"] == 30 and r["union"] == 970
-    assert r["span"] == r["union"] + r["kernel_gap"] and r["overlap"] == r["busy_sum"] - r["union"] == 70
+    assert r["span"] == r["union"] + r["kernel_gap"] and r["overlap"] == r["busy_sum"] - r["union"] == 80
 
 
 def test_a_kernel_inside_another_owns_nothing():
@@ -144,14 +145,14 @@ def test_summary_takes_medians_over_replays_per_figure():
     reps[1, 2:, :] += 100   # replay 1: a 100 ns idle gap before rope_append instead of 30
     reps[2, -1, 2] += 1000  # replay 2: a slow lm_head
     tl = timeline.summarize(ROLES, reps)
-    assert tl["reps"] == 5 and tl["launches"] == 8
+    assert tl["reps"] == 5 and tl["launches"] == 9
     k = {x["role"]: x for x in tl["kernels"]}
     assert k["rope_append"]["gap_before_us"] == pytest.approx(0.030) and k["lm_head"]["busy_us"] == pytest.approx(0.2)
     assert tl["span_us"] == pytest.approx(1.0) and tl["span_us_max"] == pytest.approx(2.0)
     assert tl["kernel_gap_us"] == pytest.approx(0.03) and tl["union_us"] == pytest.approx(0.97)
-    assert tl["regions_own_us"]["paged_attention"] == pytest.approx(0.14)
+    assert tl["regions_own_us"]["paged_attention"] == pytest.approx(0.16)
     assert sum(tl["regions_own_us"].values()) == pytest.approx(tl["union_us"])
-    assert [x["layer"] for x in tl["kernels"]] == [None, 0, 0, 0, 0, 0, 0, None]
+    assert [x["layer"] for x in tl["kernels"]] == [None, 0, 0, 0, 0, 0, 0, 0, None]
     assert tl["timer_quantum_ns"] == 1
 
 
@@ -161,8 +162,8 @@ def test_timer_quantum_is_the_gcd_of_the_stamps():
 
 
 def test_summary_refuses_a_table_of_the_wrong_shape():
-    with pytest.raises(ValueError, match=r"\[reps >= 1, 8 launches, 3\]"):
-        timeline.summarize(ROLES, np.zeros((2, 9, 3), np.int64))
+    with pytest.raises(ValueError, match=r"\[reps >= 1, 9 launches, 3\]"):
+        timeline.summarize(ROLES, np.zeros((2, 8, 3), np.int64))
 
 
 def _fake_timeline() -> dict:

@@ -20,8 +20,9 @@ from ..config import Config, default
 from ..dims import ModelDims
 
 REGIONS = ("embed", "qkv_gemv", "rope_append", "paged_attention", "o_proj", "gate_up_gemv", "down", "lm_head_argmax")
-# decoder role (runtime/decoder.step_specs) -> region
-ROLE_REGION = {"embed": "embed", "qkv": "qkv_gemv", "rope_append": "rope_append", "attention_decode": "paged_attention",
+# decoder role (runtime/decoder.step_specs) -> region; decode and combine are one region
+ROLE_REGION = {"embed": "embed", "qkv": "qkv_gemv", "rope_append": "rope_append",
+               "attention_decode": "paged_attention", "attention_combine": "paged_attention",
                "o_proj": "o_proj", "gate_up": "gate_up_gemv", "down": "down", "lm_head": "lm_head_argmax"}
 GEMV_REGION = {"qkv": "qkv_gemv", "o_proj": "o_proj", "gate_up": "gate_up_gemv", "down": "down"}
 

@@ -2,7 +2,7 @@
 replayed CUDA graph.
 
 Step (docs/architecture.md, "Decode step"): embed; per layer qkv GEMV (RMSNorm prologue + bias) ->
-rope_append -> attention_decode (split partials, merged into o16 by the last CTA) -> o_proj GEMV (+= h) -> gate/up GEMV (RMSNorm
+rope_append -> attention_decode -> attention_combine -> o_proj GEMV (+= h) -> gate/up GEMV (RMSNorm
 prologue + SwiGLU) -> down GEMV (+= h); lm_head_argmax (final norm, argmax, state advance).
 
 Graph scheme: ONE graph, captured once, replayed for every position. Every kernel argument is a fixed
@@ -38,22 +38,21 @@ def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_
     GEMVs take this GPU's tuned tiles (tune/tuned.json) when there are any (m > 1: the m-row kernel of that
     tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1 embeds its rows with
     the prefill's embed (a copy, the same bits)."""
-    rope_append, attention_decode = attention.decode_specs(dims, cfg, profile, m)
+    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile, m)
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
             **{role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,
-            "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
+            "attention_combine": attention_combine, "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
 
 
 def buffer_bytes(dims, specs: dict, m: int = 1) -> dict[str, int]:
     """The step's own device buffers for ``m`` rows (``specs``: the roles of ``step_specs`` for m rows)."""
     d = dims
-    acc_bytes, ml_bytes, done_bytes = attention.partial_bytes(specs["attention_decode"])
+    acc_bytes, ml_bytes = attention.partial_bytes(specs["attention_decode"])
     return {"h": 4 * m * d.hidden,                          # fp32 residual stream
             "qkv": 4 * m * (d.q_dim + 2 * d.kv_dim),        # fp32 q | k | v
             "q_rot": 4 * m * d.q_dim,
             "part_acc": acc_bytes, "part_ml": ml_bytes,      # attention split partials (m rows in the spec)
-            "split_done": done_bytes,                        # their arrival counters (zero between launches)
             "o16": 2 * m * d.q_dim,
             "a16": 2 * m * d.intermediate,
             "partials": specs["lm_head"].partials_bytes}     # lm_head's per-CTA argmax keys
@@ -70,7 +69,8 @@ def add_layer(add, i: int, W, kv, st, b, where: dict) -> None:
     add("rope_append", **where, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
         q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
     add("attention_decode", **where, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
-        v_pool=kv.v_ptr(i), part_acc=b.part_acc, part_ml=b.part_ml, split_done=b.split_done, o16=b.o16)
+        v_pool=kv.v_ptr(i), part_acc=b.part_acc, part_ml=b.part_ml)
+    add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
     add("o_proj", w0=W(L + "o.packed"), s0=W(L + "o.scales"), x=b.o16, y=b.h)
     add("gate_up", w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
         s1=W(L + "up.scales"), h=b.h, norm_w=W(L + "post_norm"), y=b.a16)
@@ -86,7 +86,6 @@ class Decoder:
         self.dims, self.stream = shared.dims, shared.stream
         self._own_bufs = bufs is None   # a timed decoder runs over another decoder's buffers
         self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: spec for r, (spec, _fn) in kernels.items()}))
-        self.bufs.split_done.memset_u32(0, self.stream)   # attention_decode wraps it back to 0 after each launch
         self.host_in = driver.HostBuffer(4 * shared.capacity)   # tokens copied into state[0], slot = step
         self.tok_in = self.host_in.array(np.int32)
         self.sequence = self._sequence()

@@ -52,8 +52,7 @@ class RowStep:
         self.table_len = shared.kv.layout.table_len
         self.bufs = bufs or Buffers(buffer_bytes(shared.dims, {r: s for r, (s, _f) in kernels[m].items()},
                                                  self.table_len))
-        for counter in (self.bufs.argmax_done, self.bufs.split_done):   # their kernels wrap them back to 0
-            counter.memset_u32(0, shared.stream)
+        self.bufs.argmax_done.memset_u32(0, shared.stream)   # the lm_head wraps it back to 0 after each launch
         self.host_in = driver.HostBuffer(12 * m)     # tokens [m] | positions [n] | table offsets [n] | ...
         self.host_out = driver.HostBuffer(4 * m)     # argmax per row
         self.host_logits = driver.HostBuffer(4 * m * shared.dims.vocab)   # the rows' logits, when asked

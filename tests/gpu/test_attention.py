@@ -1,13 +1,11 @@
-"""GPU unit tests of rope_append and attention_decode (split partials, merged into o16 by the last CTA) against
-nanoqwen.reference
+"""GPU unit tests of rope_append, attention_decode and attention_combine against nanoqwen.reference
 (rope_tables, rope, attention, f16), on fresh random data each run, for the 7B dims (4 KV heads x GQA 7)
 and the tiny test model (1 KV head x 7).
 
 - The KV pages of the sequence sit in a *shuffled* physical order (PageTable with a permuted free list),
   so the kernels must follow the page table; every slot outside the sequence (the tail of the last page,
   unmapped pages) is poisoned: K = 65504 (would dominate any softmax it entered), V = NaN.
-- Outputs are poisoned (NaN) before each launch; every element is checked. The split arrival counters must
-  be back at 0 after every launch (the graph replays rely on it).
+- Outputs are poisoned (NaN) before each launch; every element is checked.
 - Tolerances: rope_append is bit-exact (the kernel rounds each product and sum like numpy's fp32);
   the attention partials, merged on the host in float64, match the fp32 reference to rel 1e-5
   (||out - ref|| / ||ref||; fp32 math and MUFU.EX2); o16 is within one fp16 ulp of f16(ref) elementwise.
@@ -43,7 +41,7 @@ SEQ_LENS = [1, 15, 16, 17, 49, 4095, 4096]
 
 @pytest.fixture(scope="module")
 def fns():
-    """{model: {"rope" | "bulk" | "bulk_w8s2" | "plain" | "mma" | "mma_w2s2" | "mma_w4s8": (spec, fn)}} built
+    """{model: {"rope" | "bulk" | "bulk_w8s2" | "plain" | "mma" | "mma_w2s2" | "combine": (spec, fn)}} built
     once for the module. "bulk" is the configured decode kernel, "bulk_w8s2" the same with 8 consumer warps
     and a 2-deep ring (the ring parity flips every other page), "plain" the decode kernel without the
     producer warp (the oracle that localizes a pipeline bug), "mma" the tensor-core consumers, "mma_w2s2"
@@ -51,12 +49,13 @@ def fns():
     memory (each warp a page in flight behind the one it reads)."""
     specs = {}
     for name, d in MODELS.items():
-        rope, dec = A.decode_specs(d, CFG)
+        rope, dec, comb = A.decode_specs(d, CFG)
         specs[name] = {"rope": rope, "bulk": dec, "plain": dataclasses.replace(dec, pipeline="plain"),
                        "bulk_w8s2": dataclasses.replace(dec, pipeline="bulk", consumer_warps=8, stages=2),
                        "mma": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=4),
                        "mma_w2s2": dataclasses.replace(dec, pipeline="mma", consumer_warps=2, stages=2),
-                       "mma_w4s8": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=8)}
+                       "mma_w4s8": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=8),
+                       "combine": comb}
     built = codegen.build_many([s for t in specs.values() for s in t.values()])
     loaded = {b.spec: driver.load(b) for b in built}
     return {name: {k: (s, loaded[s]) for k, s in t.items()} for name, t in specs.items()}
@@ -107,22 +106,12 @@ class Attn:
         return R.attention(self.q, self.k_seq[:seq_len], self.v_seq[:seq_len], np.array([seq_len - 1]))[0]
 
 
-def _partials(spec) -> dict:
-    """The decode kernel's partial buffers for ``spec``, its arrival counters zeroed."""
-    parts = dict(zip(("part_acc", "part_ml", "split_done"), (driver.DeviceBuffer(n) for n in A.partial_bytes(spec))))
-    parts["split_done"].memset_u32(0)
-    return parts
-
-
-def _counters_rearmed(parts: dict, what: str) -> None:
-    assert not parts["split_done"].download(dtype=np.uint32).any(), f"{what}: split_done not back at 0"
-
-
-def _launch_attention(model_fns, at: Attn, parts: dict, stream=None, pipeline="bulk") -> None:
-    dspec, dfn = model_fns[pipeline]
+def _launch_attention(model_fns, at: Attn, part_acc, part_ml, stream=None, pipeline="bulk") -> None:
+    (dspec, dfn), (cspec, cfn) = model_fns[pipeline], model_fns["combine"]
     b = at.buf
     dfn.launch(dspec.launch(), stream, pdl=False, state=b["state"], q_rot=b["q_rot"], k_pool=b["k_pool"],
-               v_pool=b["v_pool"], page_table=b["page_table"], **parts, o16=b["o16"])
+               v_pool=b["v_pool"], page_table=b["page_table"], part_acc=part_acc, part_ml=part_ml)
+    cfn.launch(cspec.launch(), stream, pdl=True, part_acc=part_acc, part_ml=part_ml, o16=b["o16"])
 
 
 def _check_o16(o16: np.ndarray, ref: np.ndarray, what: str) -> float:
@@ -136,27 +125,26 @@ def _check_o16(o16: np.ndarray, ref: np.ndarray, what: str) -> float:
 
 @pytest.mark.parametrize("pipeline", ["bulk", "bulk_w8s2", "plain", "mma", "mma_w2s2", "mma_w4s8"])
 @pytest.mark.parametrize("model", MODELS)
-def test_attention_decode(fns, model, pipeline):
+def test_attention_decode_and_combine(fns, model, pipeline):
     dims = MODELS[model]
     rng = fresh_rng()
     at = Attn(dims, rng)
     dspec = fns[model][pipeline][0]
-    parts = _partials(dspec)
-    part_acc, part_ml = parts["part_acc"], parts["part_ml"]
+    acc_bytes, ml_bytes = A.partial_bytes(dspec)
+    part_acc, part_ml = driver.DeviceBuffer(acc_bytes), driver.DeviceBuffer(ml_bytes)
     S, H, D, P = dspec.splits, dims.heads, dims.head_dim, CFG.kv_cache.page_size
     for seq_len in SEQ_LENS + [int(rng.integers(2, MAX_TOKENS))]:
         at.fill(seq_len)
         at.set_pos(seq_len)
         for buf in (part_acc, part_ml, at.buf["o16"]):
             buf.poison()
-        _launch_attention(fns[model], at, parts, pipeline=pipeline)
+        _launch_attention(fns[model], at, part_acc, part_ml, pipeline=pipeline)
         driver.device().synchronize()
         acc = part_acc.download(dtype=np.float32).reshape(H, S, D).astype(np.float64)
         ml = part_ml.download(dtype=np.float32).reshape(H, S, 2).astype(np.float64)
         o16 = at.buf["o16"].download(dtype=np.float16).reshape(H, D)
         ref = at.reference(seq_len)
         what = f"{model} {pipeline} seq_len={seq_len}"
-        _counters_rearmed(parts, what)
 
         # neutral partials exactly where a split's page range [s*P/S, (s+1)*P/S) is empty
         n_pages = -(-seq_len // P)
@@ -175,15 +163,15 @@ def test_attention_decode(fns, model, pipeline):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_one_graph_serves_every_position(fns, model):
-    """The decode kernel captured once; only state[1] changes between replays (page boundary and tails)."""
+    """Decode + combine captured once; only state[1] changes between replays (page boundary and tails)."""
     dims = MODELS[model]
     at = Attn(dims, fresh_rng())
     at.fill(MAX_TOKENS)
-    parts = _partials(fns[model]["bulk"][0])
+    part_acc, part_ml = (driver.DeviceBuffer(n) for n in A.partial_bytes(fns[model]["bulk"][0]))
     stream = driver.Stream()
     at.set_pos(1)
     with driver.capture(stream) as graph:
-        _launch_attention(fns[model], at, parts, stream)
+        _launch_attention(fns[model], at, part_acc, part_ml, stream)
     for seq_len in (33, 32, 1, 4096, 2049):
         at.set_pos(seq_len)
         at.buf["o16"].poison()
@@ -191,13 +179,12 @@ def test_one_graph_serves_every_position(fns, model):
         stream.synchronize()
         o16 = at.buf["o16"].download(dtype=np.float16).reshape(dims.heads, dims.head_dim)
         _check_o16(o16, at.reference(seq_len), f"{model} graph seq_len={seq_len}")
-        _counters_rearmed(parts, f"{model} graph seq_len={seq_len}")
     start, end = driver.Event(), driver.Event()
     start.record(stream)
     for _ in range(100):
         graph.launch(stream)
     end.record(stream)
-    print(f"{model}: attention_decode at seq_len 2049: {driver.Event.elapsed_ms(start, end) * 10:.2f} us per replay")
+    print(f"{model}: decode + combine at seq_len 2049: {driver.Event.elapsed_ms(start, end) * 10:.2f} us per replay")
     graph.close()
     stream.close()
 
@@ -248,16 +235,16 @@ def test_rope_append(fns, model, pos):
 
 
 def _decode_specs(d, m: int, pipeline: str):
-    rope, dec = A.decode_specs(d, CFG, m=m)
+    rope, dec, comb = A.decode_specs(d, CFG, m=m)
     ring = {"mma": dict(consumer_warps=4, stages=4)}.get(pipeline, {})   # mma: each warp its own slots
-    return rope, dataclasses.replace(dec, pipeline=pipeline, **ring)
+    return rope, dataclasses.replace(dec, pipeline=pipeline, **ring), comb
 
 
 @pytest.mark.parametrize("pipeline", ["bulk", "mma"])
 @pytest.mark.parametrize("m", [2, 3, 16])
 @pytest.mark.parametrize("model", ["7b", "tiny"])
 def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
-    """The multi-row step's rope_append and attention_decode: row r, a token of its own at
+    """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
     position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
     written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
     over page boundaries and lengths; two rows share a position (padding repeats the last real row).
@@ -275,12 +262,13 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
     qkv = (3.0 * rng.standard_normal((m, qkv_row))).astype(np.float32)
     qkv[-1] = qkv[-2]              # ... the same token: it writes the same bits into the same slot
     cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
+    acc_b, ml_b = A.partial_bytes(specs[m][1])
     bufs = {n: driver.DeviceBuffer(b) for n, b in (("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2),
-                                                   ("positions", 8 * m))} | _partials(specs[m][1])
+                                                   ("part_acc", acc_b), ("part_ml", ml_b), ("positions", 8 * m))}
     b = at.buf
 
     def run(m_, rows_qkv, pos, state_or_positions):
-        (rs, rf), (ds, df) = ((s, fn[s]) for s in specs[m_])
+        (rs, rf), (ds, df), (cs, cf) = ((s, fn[s]) for s in specs[m_])
         bufs["qkv"].upload(np.ascontiguousarray(rows_qkv))
         for name in ("q_rot", "o16"):
             bufs[name].upload(np.full(bufs[name].nbytes // 4, np.nan, np.float32))
@@ -289,10 +277,9 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
         rf.launch(rs.launch(), None, pdl=False, **where, qkv=bufs["qkv"], rope_cos=cos, rope_sin=sin,
                   page_table=b["page_table"], q_rot=bufs["q_rot"], k_pool=b["k_pool"], v_pool=b["v_pool"])
         df.launch(ds.launch(), None, pdl=True, **where, q_rot=bufs["q_rot"], k_pool=b["k_pool"], v_pool=b["v_pool"],
-                  page_table=b["page_table"], part_acc=bufs["part_acc"], part_ml=bufs["part_ml"],
-                  split_done=bufs["split_done"], o16=bufs["o16"])
+                  page_table=b["page_table"], part_acc=bufs["part_acc"], part_ml=bufs["part_ml"])
+        cf.launch(cs.launch(), None, pdl=True, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"], o16=bufs["o16"])
         driver.device().synchronize()
-        _counters_rearmed(bufs, f"m = {m_}")
         q_rot = bufs["q_rot"].download(np.empty((m, d.q_dim), np.float32))[:m_]
         o16 = bufs["o16"].download(np.empty((m, d.q_dim), np.float16))[:m_]
         return q_rot, o16
@@ -357,10 +344,11 @@ def test_multi_row_rows_of_several_sequences(model, m):
     specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
     fn = {b.spec: driver.load(b) for b in codegen.build_many([s for t in specs.values() for s in t])}
     cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
+    acc_b, ml_b = A.partial_bytes(specs[m][1])
     bufs = {n: driver.DeviceBuffer(b) for n, b in (
-        ("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2), ("positions", 8 * m),
-        ("state", 16), ("tables", tables.nbytes), ("table", T * 4), ("k_pool", lay.pool_bytes),
-        ("v_pool", lay.pool_bytes))} | _partials(specs[m][1])
+        ("qkv", qkv.nbytes), ("q_rot", m * d.q_dim * 4), ("o16", m * d.q_dim * 2), ("part_acc", acc_b),
+        ("part_ml", ml_b), ("positions", 8 * m), ("state", 16), ("tables", tables.nbytes), ("table", T * 4),
+        ("k_pool", lay.pool_bytes), ("v_pool", lay.pool_bytes))}
 
     def fill():
         """Each sequence's K/V at its own shuffled pages; the spare pages are poison."""
@@ -373,17 +361,16 @@ def test_multi_row_rows_of_several_sequences(model, m):
         bufs["v_pool"].upload(v)
 
     def run(m_, rows_qkv, where, page_table):
-        (rs, rf), (ds, df) = ((s, fn[s]) for s in specs[m_])
+        (rs, rf), (ds, df), (cs, cf) = ((s, fn[s]) for s in specs[m_])
         bufs["qkv"].upload(np.ascontiguousarray(rows_qkv))
         for name in ("q_rot", "o16"):
             bufs[name].upload(np.full(bufs[name].nbytes // 4, np.nan, np.float32))
         rf.launch(rs.launch(), None, pdl=False, **where, qkv=bufs["qkv"], rope_cos=cos, rope_sin=sin,
                   page_table=page_table, q_rot=bufs["q_rot"], k_pool=bufs["k_pool"], v_pool=bufs["v_pool"])
         df.launch(ds.launch(), None, pdl=True, **where, q_rot=bufs["q_rot"], k_pool=bufs["k_pool"],
-                  v_pool=bufs["v_pool"], page_table=page_table, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"],
-                  split_done=bufs["split_done"], o16=bufs["o16"])
+                  v_pool=bufs["v_pool"], page_table=page_table, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"])
+        cf.launch(cs.launch(), None, pdl=True, part_acc=bufs["part_acc"], part_ml=bufs["part_ml"], o16=bufs["o16"])
         driver.device().synchronize()
-        _counters_rearmed(bufs, f"m = {m_}")
         return (bufs["q_rot"].download(np.empty((m, d.q_dim), np.float32))[:m_],
                 bufs["o16"].download(np.empty((m, d.q_dim), np.float16))[:m_])
 

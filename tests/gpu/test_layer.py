@@ -32,8 +32,9 @@ HF_TOL = 2e-2  # block delta vs transformers fp32: fp16 activations (xn, o16, a)
 def run_block(session, tokens):
     """Layer 0 on the GPU for tokens[t] at position t, t = 0..T-1; returns per-step intermediates."""
     dec = session.decoder
-    sub = dec.sequence[:7]
-    assert [r for r, *_ in sub] == ["embed", "qkv", "rope_append", "attention_decode", "o_proj", "gate_up", "down"]
+    sub = dec.sequence[:8]
+    assert [r for r, *_ in sub] == ["embed", "qkv", "rope_append", "attention_decode", "attention_combine",
+                                    "o_proj", "gate_up", "down"]
     session.runner.reserve(len(tokens))
     out = {k: [] for k in ("h_in", "qkv", "q_rot", "o16", "a16", "h")}
     d = session.dims

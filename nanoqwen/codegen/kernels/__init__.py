@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "copy": "copy:CopySpec",
     "gemv_int4": "gemv:GemvInt4Spec",
     "attention_decode": "attention:AttentionDecodeSpec",
+    "attention_combine": "attention:AttentionCombineSpec",
     "rope_append": "attention:RopeAppendSpec",
     "gemm_int4": "gemm:GemmInt4Spec",
     "gemm_wgmma": "gemm_wgmma:GemmWgmmaSpec",

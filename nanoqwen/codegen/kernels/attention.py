@@ -1,14 +1,12 @@
 """The attention side of a decode step (docs/architecture.md, "Decode step"): ``rope_append`` (RoPE on q, k
-and the append of f16(k_rot), f16(v) to the paged KV cache) and ``attention_decode`` (paged, split along the
+and the append of f16(k_rot), f16(v) to the paged KV cache), ``attention_decode`` (paged, split along the
 sequence, warp-specialized: one producer warp bulk-copies K/V pages into a shared-memory ring, consumer
-warps run the fp32 online softmax; the last CTA of each KV head to finish merges the splits into o16 for
-o_proj).
+warps run the fp32 online softmax) and ``attention_combine`` (merges the splits into o16 for o_proj).
 
-Partials between the split CTAs and that merge, fp32, per query head h and split s (row = h * splits + s):
+Partials between decode and combine, fp32, per query head h and split s (row = h * splits + s):
 ``part_acc [heads, splits, head_dim]`` the unnormalized sum exp2(s2 - m2) * v, ``part_ml [heads, splits, 2]``
 (m2, l) with scores in base-2 units s2 = q.k * log2(e) / sqrt(head_dim) and l = sum exp2(s2 - m2).
-An empty split (short sequences) writes (-inf, 0, 0). ``split_done [m, kv_heads]`` u32 arrival counters,
-zero before the first launch (each launch leaves them zero). Sizes: ``partial_bytes(decode_spec)``.
+An empty split (short sequences) writes (-inf, 0, 0). Sizes: ``partial_bytes(decode_spec)``.
 
 ``m`` rows (the multi-row step, DESIGN.md section 12): each kernel serves m independent queries at once, row
 r at its own position ``positions[r]`` (int32 [2m], in place of ``state[1]``) with its own page-table row
@@ -22,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
@@ -84,7 +83,7 @@ class AttentionDecodeSpec(KernelSpec):
     def _family_params(self):
         return (*_row_params(self.m), (inp("q_rot", "float"), True), (inp("k_pool", "f16"), True),
                 (inp("v_pool", "f16"), True), (inp("page_table", "int"), True), (out("part_acc", "float"), True),
-                (out("part_ml", "float"), True), (out("split_done", "u32"), True), (out("o16", "f16"), True))
+                (out("part_ml", "float"), True))
 
     @property
     def kernel_params(self) -> tuple[Param, ...]:
@@ -133,13 +132,11 @@ class AttentionDecodeSpec(KernelSpec):
         return 0 if self.pipeline == "plain" else 1
 
     def ring_bytes(self) -> int:
-        """The ring, the warps' merge buffer and the split merge's (SplitMerge), which share memory (the
-        template's Smem union)."""
+        """The ring and the warps' merge buffer, which share memory (the template's Smem union)."""
         row = self.head_dim + (8 if self.pipeline == "mma" else 0)   # mma pads each K/V row by 16 bytes
         ring = 2 * self.stages * self.page_size * row * 2 * self.producers
         merge = self.consumer_warps * self.gqa * self.head_dim * 4
-        split_merge = self.gqa * (3 * self.splits + 1) * 4
-        return max(ring, merge, split_merge)
+        return max(ring, merge)
 
     @property
     def ring_dynamic(self) -> bool:
@@ -148,8 +145,7 @@ class AttentionDecodeSpec(KernelSpec):
         return self.pipeline == "mma" and self.ring_bytes() + self._fixed_smem() > STATIC_SMEM_LIMIT
 
     def _fixed_smem(self) -> int:
-        # mbarriers, the warps' (m2, l), the bool is_last
-        return 2 * self.stages * 8 * self.producers + self.consumer_warps * self.gqa * 2 * 4 + 1 + SM90_RESERVED_SMEM
+        return 2 * self.stages * 8 * self.producers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
 
     def static_smem(self) -> int:
         return self._fixed_smem() + (0 if self.ring_dynamic else self.ring_bytes())
@@ -163,6 +159,32 @@ class AttentionDecodeSpec(KernelSpec):
         return Launch(grid=(self.kv_heads, self.splits, self.m),
                       block=(32 * (self.producers + self.consumer_warps), 1, 1),
                       smem=self.ring_bytes() if self.ring_dynamic else 0)
+
+
+@dataclass(frozen=True)
+class AttentionCombineSpec(KernelSpec):
+    family = "attention_combine"
+    template = "attention_combine.cu.j2"
+    timeable = True   # templates/attention_combine.cu.j2 places the timeline probe's hooks
+    uri_fields = ("head_dim", "heads", "splits", "m")
+    kernel_params: ClassVar[tuple[Param, ...]] = (
+        inp("part_acc", "float"), inp("part_ml", "float"), out("o16", "f16"))
+
+    head_dim: int
+    heads: int
+    splits: int
+    m: int = 1                # rows, grid.y
+
+    def validate(self) -> None:
+        super().validate()
+        _check_rows(self.family, self.m)
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 1024:
+            raise SpecError(f"attention_combine.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
+        if self.heads <= 0 or self.splits <= 0:
+            raise SpecError(f"attention_combine: heads and splits must be positive, got {self.heads}, {self.splits}")
+
+    def launch(self) -> Launch:
+        return Launch(grid=(self.heads, self.m, 1), block=(self.head_dim, 1, 1))
 
 
 @dataclass(frozen=True)
@@ -208,22 +230,23 @@ def splits_for(kv_heads: int, ctas: int) -> int:
     return max(1, ctas // kv_heads)
 
 
-def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int, int]:
-    """(part_acc, part_ml, split_done) buffer sizes in bytes for ``spec`` (its m rows)."""
+def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
+    """(part_acc, part_ml) buffer sizes in bytes for ``spec`` (its m rows)."""
     rows = spec.m * spec.kv_heads * spec.gqa * spec.splits
-    return rows * spec.head_dim * 4, rows * 2 * 4, spec.m * spec.kv_heads * 4
+    return rows * spec.head_dim * 4, rows * 2 * 4
 
 
 def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int = 1
-                 ) -> tuple[RopeAppendSpec, AttentionDecodeSpec]:
-    """The two attention-side kernels of one decode step of ``m`` rows, in launch order. The splits do
+                 ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
+    """The three attention-side kernels of one decode step of ``m`` rows, in launch order. The splits do
     not depend on m: a row's pages split as in the single-row step, so it rounds the same."""
     a, page = cfg.attention, cfg.kv_cache.page_size
     splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
                                 page_size=page, stages=a.stages, consumer_warps=a.consumer_warps,
-                                pipeline=a.pipeline, m=m))
+                                pipeline=a.pipeline, m=m),
+            AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
