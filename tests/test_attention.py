@@ -25,6 +25,7 @@ CFG = config.default()
 D64 = dataclasses.replace(QWEN25_7B, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864)
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims(), "hd64": D64}
 VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=3, consumer_warps=4),   # bulk before mma
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=2, consumer_warps=2),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=5, splits=16, stages=2, consumer_warps=8),
     A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, stages=4, consumer_warps=2),
@@ -60,7 +61,7 @@ def test_compiles_without_spills_or_local_memory(built, spec):
 def test_decode_sass_uses_bulk_copy_and_mbarriers(built):
     if resources.tool("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
-    spec = A.decode_specs(QWEN25_7B, CFG)[1]
+    spec = dataclasses.replace(A.decode_specs(QWEN25_7B, CFG)[1], pipeline="bulk", stages=3)
     sass = resources.sass(built[spec].cubin)
     assert sass.count("UBLKCP") == 2, "one bulk copy each for the K and the V page"
     assert "SYNCS.ARRIVE.TRANS64" in sass and "SYNCS.PHASECHK" in sass
