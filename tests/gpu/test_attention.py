@@ -42,15 +42,16 @@ SEQ_LENS = [1, 15, 16, 17, 49, 4095, 4096]
 @pytest.fixture(scope="module")
 def fns():
     """{model: {"rope" | "bulk" | "bulk_w8s2" | "plain" | "mma" | "mma_w2s2" | "combine": (spec, fn)}} built
-    once for the module. "bulk" is the configured decode kernel, "bulk_w8s2" the same with 8 consumer warps
-    and a 2-deep ring (the ring parity flips every other page), "plain" the decode kernel without the
-    producer warp (the oracle that localizes a pipeline bug), "mma" the tensor-core consumers, "mma_w2s2"
-    those with 2 warps taking turns on a 2-deep ring, "mma_w4s8" with an 8-deep ring in dynamic shared
-    memory (each warp a page in flight behind the one it reads)."""
+    once for the module. "bulk" is the CUDA-core consumers (4 warps, a 3-deep ring), "bulk_w8s2" the same
+    with 8 consumer warps and a 2-deep ring (the ring parity flips every other page), "plain" the decode
+    kernel without the producer warp (the oracle that localizes a pipeline bug), "mma" the tensor-core
+    consumers, "mma_w2s2" those with 2 warps taking turns on a 2-deep ring, "mma_w4s8" with an 8-deep ring in
+    dynamic shared memory (each warp a page in flight behind the one it reads: the configured kernel)."""
     specs = {}
     for name, d in MODELS.items():
         rope, dec, comb = A.decode_specs(d, CFG)
-        specs[name] = {"rope": rope, "bulk": dec, "plain": dataclasses.replace(dec, pipeline="plain"),
+        specs[name] = {"rope": rope, "bulk": dataclasses.replace(dec, pipeline="bulk", consumer_warps=4, stages=3),
+                       "plain": dataclasses.replace(dec, pipeline="plain"),
                        "bulk_w8s2": dataclasses.replace(dec, pipeline="bulk", consumer_warps=8, stages=2),
                        "mma": dataclasses.replace(dec, pipeline="mma", consumer_warps=4, stages=4),
                        "mma_w2s2": dataclasses.replace(dec, pipeline="mma", consumer_warps=2, stages=2),
@@ -236,7 +237,8 @@ def test_rope_append(fns, model, pos):
 
 def _decode_specs(d, m: int, pipeline: str):
     rope, dec, comb = A.decode_specs(d, CFG, m=m)
-    ring = {"mma": dict(consumer_warps=4, stages=4)}.get(pipeline, {})   # mma: each warp its own slots
+    # mma: each warp its own slots; bulk: a ring within the static 48 KB
+    ring = {"mma": dict(consumer_warps=4, stages=4), "bulk": dict(consumer_warps=4, stages=3)}[pipeline]
     return rope, dataclasses.replace(dec, pipeline=pipeline, **ring), comb
 
 
