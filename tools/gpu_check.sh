@@ -14,7 +14,8 @@
 #   GPU_CHECK_TIMELINE 1 runs `nanoqwen bench 7b --no-baseline --timeline --timeline-rows 8`: every kernel of the
 #                      decode step and of the 8-row step timed inside the replayed graph (bench-7b-timeline.json
 #                      with the per-kernel figures, timeline.png, timeline-rows8.png, and the region chart
-#                      beside them, itl-timeline.png)
+#                      beside them, itl-timeline.png); GPU_CHECK_TIMELINE_PROMPT sets its prompt length (default the
+#                      config protocol's 512; e.g. 16384 for the long-context step)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
@@ -92,6 +93,7 @@ fi
 [ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 200 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
     --out "$OUT/bench-7b.json" --plot "$OUT/itl.png" --profile "$OUT/profile-7b.json"
 [ "${GPU_CHECK_TIMELINE:-0}" = 1 ] && stage timeline 300 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
+    ${GPU_CHECK_TIMELINE_PROMPT:+--prompt-tokens "$GPU_CHECK_TIMELINE_PROMPT"} \
     --out "$OUT/bench-7b-timeline.json" --plot "$OUT/itl-timeline.png" --timeline "$OUT/timeline.png" --timeline-rows 8
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
