@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+import types
 from pathlib import Path
 
 import numpy as np
@@ -541,6 +542,48 @@ def test_speculate_bench_edit_cases_and_oracle():
     assert o.draft(10) == [7, 8, 9] and o.draft(2) == [7, 8]
     o.append([7, 8])
     assert o.draft(10) == [9, 10]
+
+
+def test_speculate_wall_times_time_each_verify_as_the_host_waits_for_it(monkeypatch):
+    """bench/speculate.wall_times on a simulated device: the decode step (reset, step, wait) and each
+    bucket's RowStep.run at positions 512.., every call timed whole (what the host waits for), medians in
+    ms per bucket, the kept sequences dropped afterwards."""
+    from nanoqwen.bench import speculate
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    class Dec:
+        def reset(self, *state):
+            calls.append(("reset", state))
+
+        def step(self, i, read_token=False):
+            calls.append(("step", i, read_token))
+
+    class State:
+        def wait_step(self, i):
+            clock[0] += 0.2e-3   # the decode step, waited for
+
+    class Rows:
+        m, buckets = 4, [2, 4]
+
+        def run(self, tokens, positions):
+            assert tokens == [0] * len(positions) and positions == list(range(512, 512 + len(positions)))
+            clock[0] += 0.1e-3 * (1 + len(tokens))
+
+    class Cache:
+        cleared = 0
+
+        def clear(self):
+            Cache.cleared += 1
+
+    runner = types.SimpleNamespace(reserve=lambda n: calls.append(("reserve", n)), cache=Cache())
+    session = types.SimpleNamespace(decoder=Dec(), rows=Rows(), state=State(), runner=runner)
+    wall = speculate.wall_times(session, reps=3)
+    assert wall == pytest.approx({"1": 0.2, "2": 0.3, "4": 0.5})
+    assert calls[0] == ("reserve", 512 + 4 + 1) and calls[1:3] == [("reset", (0, 512, 512)), ("step", 512, True)]
+    assert Cache.cleared == 1
+    assert speculate.wall_line("7B", wall).startswith("7B, a step as a verify runs it (host included): m=1 0.200 ms")
 
 
 def test_write_json_never_replaces_a_fifo(tmp_path):

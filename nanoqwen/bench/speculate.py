@@ -6,6 +6,9 @@
       accepted) at k = 4, 8, 15, against plain decoding of the same prompt, synthetic 7B;
   (c) the draft-model drafter's cost per drafted token: a random model at Qwen2.5-0.5B's shapes with the
       7B's vocabulary drafting for the synthetic 7B;
+  (a') the same steps as the host sees a verify (``wall_times``): RowStep.run's wall time (inputs up, the
+      graph, the argmaxes back and waited for), and a decode step launched and waited for, per bucket, for
+      the 7B and for the small model of (d): what a verify costs beyond its graph;
   (d) a code-edit workload on the trained small test model (tests/data/small-py): each case is a function
       of a committed standard-library source followed by an instruction to write it again with one change
       (a rename, an added argument, a changed constant) and the start of the changed copy; prompt lookup
@@ -92,6 +95,34 @@ def step_times(session, reps: int = 50) -> dict:
         b.close()
         session.runner.cache.clear()
     return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
+
+
+def wall_times(session, reps: int = 20) -> dict:
+    """Median wall milliseconds of one step as a verify runs it, host included: bucket m's ``RowStep.run``
+    (m rows at positions 512..) and, for m = 1, the decode step launched and waited for (a verify without
+    drafts before plain stretches ran ahead)."""
+    dec, rows, sh = session.decoder, session.rows, session.state
+    session.runner.reserve(PROMPT + rows.m + 1)
+
+    def median(call) -> float:
+        spans = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            call()
+            spans.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(spans)
+
+    def decode_step():
+        dec.reset(0, PROMPT, PROMPT)
+        dec.step(PROMPT, read_token=True)
+        sh.wait_step(PROMPT)
+    try:
+        out = {"1": median(decode_step)}
+        for m in rows.buckets:
+            out[str(m)] = median(lambda m=m: rows.run([0] * m, list(range(PROMPT, PROMPT + m))))
+    finally:
+        session.runner.cache.clear()
+    return out
 
 
 def oracle_rates(session, rng, vocab: int) -> dict:
@@ -196,7 +227,7 @@ def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
             t_plain, t_spec = t_plain + tp, t_spec + ts
             drafted, accepted, verifies = drafted + spec.drafted, accepted + spec.accepted, verifies + spec.verifies
         t_k = sum(r["spec_drafter_k_s"] or 0.0 for r in rows)
-        return {"cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec,
+        return {"cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec, "wall_ms": wall_times(session),
                 "speedup_drafter_k": t_plain / t_k if t_k else None,
                 "costs_ms": session.runner.costs,
                 "acceptance": accepted / max(drafted, 1), "accepted_per_verify": accepted / max(verifies, 1),
@@ -221,6 +252,7 @@ def run(log=None) -> dict:
     try:
         log("multi-row step times")
         res["step"] = step_times(session)
+        res["step_wall_ms"] = wall_times(session)
         log("oracle drafts")
         res["oracle"] = oracle_rates(session, rng, vocab)
     finally:
@@ -239,6 +271,10 @@ def run(log=None) -> dict:
     return res
 
 
+def wall_line(label: str, wall: dict) -> str:
+    return f"{label}, a step as a verify runs it (host included): " + ", ".join(f"m={m} {ms:.3f} ms" for m, ms in wall.items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.speculate", description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, help="write the results here")
@@ -246,6 +282,7 @@ def main(argv=None) -> int:
     res = run()
     for m, s in res["step"].items():
         print(f"step m={m}: {s['ms']:.3f} ms ({s['vs_m1']:.2f}x m=1)")
+    print(wall_line("7B", res["step_wall_ms"]))
     o = res["oracle"]
     print(f"plain {o['plain_tokens_per_s']:.1f} tokens/s; " + "; ".join(
         f"oracle k={k}: {o[f'k{k}']['tokens_per_s']:.1f} tokens/s ({o[f'k{k}']['speedup']:.2f}x)" for k in ORACLE_K))
@@ -255,6 +292,8 @@ def main(argv=None) -> int:
         print(f"edit workload ({len(e['cases'])} cases): acceptance {e['acceptance']:.2f}, speed-up "
               f"{e['speedup']:.2f}x ({e['spec_tokens_per_s']:.0f} vs {e['plain_tokens_per_s']:.0f} tokens/s)"
               + (f"; with the drafter's k alone {e['speedup_drafter_k']:.2f}x" if e["speedup_drafter_k"] else ""))
+        print(wall_line("small model", e["wall_ms"]) + "; graph steps: "
+              + ", ".join(f"m={m} {ms:.3f} ms" for m, ms in (e["costs_ms"] or {}).items()))
     protocol.save(res, args.json)
     return 0
 
