@@ -1,7 +1,8 @@
 """The attention side of a decode step (docs/architecture.md, "Decode step"): ``rope_append`` (RoPE on q, k
 and the append of f16(k_rot), f16(v) to the paged KV cache), ``attention_decode`` (paged, split along the
-sequence, warp-specialized: one producer warp bulk-copies K/V pages into a shared-memory ring, consumer
-warps run the fp32 online softmax) and ``attention_combine`` (merges the splits into o16 for o_proj).
+sequence, warp-specialized: one producer warp copies K/V pages into a shared-memory ring, consumer warps
+run the online softmax, on the tensor cores in the default pipeline) and ``attention_combine`` (merges the
+splits into o16 for o_proj).
 
 Partials between decode and combine, fp32, per query head h and split s (row = h * splits + s):
 ``part_acc [heads, splits, head_dim]`` the unnormalized sum exp2(s2 - m2) * v, ``part_ml [heads, splits, 2]``
@@ -73,10 +74,11 @@ class AttentionDecodeSpec(KernelSpec):
     page_size: int = 16
     stages: int = 3           # K/V pages in flight (ring depth)
     consumer_warps: int = 4   # softmax warps beside the producer warp
-    # "bulk": warp-specialized (producer warp + cp.async.bulk ring), the product; "mma": a producer warp
-    # whose 32 lanes fill the ring (padded rows) by cp.async, the consumers on the tensor cores (each warp
-    # whole pages; another rounding of the same math); "plain": consumers read pages straight from global
-    # with bulk's math, no producer/ring: a debugging oracle on the GPU.
+    # "bulk": warp-specialized (producer warp + cp.async.bulk ring, CUDA-core consumers); "mma": a producer
+    # warp whose 32 lanes fill the ring (padded rows) by cp.async, the consumers on the tensor cores (each
+    # warp whole pages; another rounding of the same math), the config's choice (faster at every context
+    # measured on the H200); "plain": consumers read pages straight from global with bulk's math, no
+    # producer/ring: a debugging oracle on the GPU.
     pipeline: str = "bulk"
     m: int = 1                # rows (queries at their own positions), grid.z
 
