@@ -557,7 +557,7 @@ def test_speculate_wall_times_time_each_verify_as_the_host_waits_for_it(monkeypa
         def reset(self, *state):
             calls.append(("reset", state))
 
-        def step(self, i, read_token=False):
+        def step(self, i, feed=None, read_token=False, read_logits=False):
             calls.append(("step", i, read_token))
 
     class State:

@@ -35,6 +35,7 @@ from ..dims import QWEN25_7B
 from ..nqfile import NanoqwenFile
 from ..runtime import driver
 from ..runtime.drafters import AdaptiveK, DraftModel, PromptLookup
+from ..runtime.prefill import by_steps
 from . import protocol
 from .kernels import git_commit
 
@@ -113,8 +114,7 @@ def wall_times(session, reps: int = 20) -> dict:
         return 1e3 * statistics.median(spans)
 
     def decode_step():
-        dec.reset(0, PROMPT, PROMPT)
-        dec.step(PROMPT, read_token=True)
+        by_steps(dec, [0], PROMPT, read_token=True)
         sh.wait_step(PROMPT)
     try:
         out = {"1": median(decode_step)}
