@@ -88,6 +88,8 @@ class Multirow:
     buckets: tuple[int, ...]
     gemv_warps: int
     lm_head_rows_per_warp: int
+    attention_ctas_per_sm: int
+    attention_stages: int
 
     def __post_init__(self):
         b = self.buckets
@@ -97,6 +99,8 @@ class Multirow:
             raise ConfigError(f"multirow.gemv_warps must be 1..32, got {self.gemv_warps}")
         if not 1 <= self.lm_head_rows_per_warp <= 32:
             raise ConfigError(f"multirow.lm_head_rows_per_warp must be 1..32, got {self.lm_head_rows_per_warp}")
+        if not 1 <= self.attention_ctas_per_sm <= 8:
+            raise ConfigError(f"multirow.attention_ctas_per_sm must be 1..8, got {self.attention_ctas_per_sm}")
 
 
 @dataclass(frozen=True)

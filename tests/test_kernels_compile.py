@@ -1,6 +1,10 @@
 """Every kernel the 7B model and the test models need (the multi-row step's m = 2..16 kernels included)
 renders and compiles for sm_90a with NVRTC (no GPU), with no register spills and no local memory. One session-scoped fixture builds them all in parallel
-first (serial compilation would dominate the wall time), into a fresh cache so CI really compiles."""
+first (serial compilation would dominate the wall time), into a fresh cache so CI really compiles.
+
+One exception, measured: the multi-row attention caps its registers so that multirow.attention_ctas_per_sm
+CTAs fit an SM (a few spills, its 132 m CTAs in fewer waves: 8 rows at 577 keys 22.8 -> 13.9 us on the
+H200); it must still fit that many CTAs, and its stack stays small."""
 
 from __future__ import annotations
 
@@ -60,9 +64,13 @@ def test_kernel_compiles_without_spills_or_local_memory(built, model, spec):
         raise b
     r = b.resources
     assert b.entry == spec.entry and b.cubin[:4] == b"\x7fELF"
-    assert (r.spill_stores, r.spill_loads) == (0, 0), f"{spec.uri}: spills {r} (ptxas: {b.log.strip()})"
-    assert r.local_bytes == 0 and r.max_stack == 0, f"{spec.uri}: local memory {r}"
     lt = b.launch
+    ctas = getattr(spec, "ctas_per_sm", 1)
+    if ctas > 1:   # registers capped on purpose: spills allowed, the occupancy they buy must hold
+        assert r.local_bytes <= 256 and r.registers * lt.threads * ctas <= 65536, f"{spec.uri}: {r}"
+    else:
+        assert (r.spill_stores, r.spill_loads) == (0, 0), f"{spec.uri}: spills {r} (ptxas: {b.log.strip()})"
+        assert r.local_bytes == 0 and r.max_stack == 0, f"{spec.uri}: local memory {r}"
     smem = r.shared_static + lt.smem  # shared_static includes the 1 KB system reservation
     assert smem <= gpu.DEFAULT.max_smem + resources.SM90_RESERVED_SMEM, f"{spec.uri}: {smem} B shared per block"
     assert r.registers * lt.threads <= 65536, f"{spec.uri}: {r.registers} regs x {lt.threads} threads"

@@ -65,7 +65,8 @@ class AttentionDecodeSpec(KernelSpec):
     family = "attention_decode"
     template = "attention_decode.cu.j2"
     timeable = True   # templates/attention_decode.cu.j2 places the timeline probe's hooks
-    uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps", "m")
+    uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps", "m",
+                  "ctas_per_sm")
 
     head_dim: int
     kv_heads: int
@@ -81,6 +82,9 @@ class AttentionDecodeSpec(KernelSpec):
     # producer/ring: a debugging oracle on the GPU.
     pipeline: str = "bulk"
     m: int = 1                # rows (queries at their own positions), grid.z
+    # CTAs each SM must hold at once (__launch_bounds__' minimum, which caps the registers): the m rows'
+    # 132 m CTAs of a few microseconds each run in fewer waves; none of a row's arithmetic depends on it
+    ctas_per_sm: int = 1
 
     def _family_params(self):
         return (*_row_params(self.m), (inp("q_rot", "float"), True), (inp("k_pool", "f16"), True),
@@ -94,7 +98,7 @@ class AttentionDecodeSpec(KernelSpec):
     def validate(self) -> None:
         super().validate()
         _check_rows(self.family, self.m)
-        for name in ("head_dim", "kv_heads", "gqa", "splits", "page_size", "stages", "consumer_warps"):
+        for name in ("head_dim", "kv_heads", "gqa", "splits", "page_size", "stages", "consumer_warps", "ctas_per_sm"):
             if getattr(self, name) <= 0:
                 raise SpecError(f"attention_decode.{name} must be positive, got {getattr(self, name)}")
         lanes = self.head_dim // VEC
@@ -241,13 +245,15 @@ def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
 def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int = 1
                  ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
     """The three attention-side kernels of one decode step of ``m`` rows, in launch order. The splits do
-    not depend on m: a row's pages split as in the single-row step, so it rounds the same."""
-    a, page = cfg.attention, cfg.kv_cache.page_size
+    not depend on m: a row's pages split as in the single-row step, so it rounds the same (the ring depth
+    and the CTAs per SM do, config multirow)."""
+    a, page, rows = cfg.attention, cfg.kv_cache.page_size, cfg.multirow
     splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
+    # m > 1: more, smaller CTAs an SM (their 132 m CTAs are latency-bound); none of it changes a row's bits
+    ring = dict(stages=a.stages) if m == 1 else dict(stages=rows.attention_stages, ctas_per_sm=rows.attention_ctas_per_sm)
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
             AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
-                                page_size=page, stages=a.stages, consumer_warps=a.consumer_warps,
-                                pipeline=a.pipeline, m=m),
+                                page_size=page, consumer_warps=a.consumer_warps, pipeline=a.pipeline, m=m, **ring),
             AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
 
 
