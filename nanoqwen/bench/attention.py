@@ -30,6 +30,7 @@ from ..codegen.kernels import attention as A
 from ..codegen.spec import SpecError
 from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
+from ..runtime.paged_kv import KVLayout
 from .kernels import copy_bandwidth, git_commit
 from .replay import graph_seconds
 
@@ -71,14 +72,14 @@ class _Setup:
 
     def __init__(self, dims: ModelDims, tokens: int, page: int, rng):
         self.dims, self.page = dims, page
-        self.pages = -(-tokens // page)
+        lay = KVLayout(layers=1, kv_heads=dims.kv_heads, head_dim=dims.head_dim, page_size=page,
+                       num_pages=-(-tokens // page), max_positions=dims.max_positions)
         self.k = rng.standard_normal((tokens, dims.kv_heads, dims.head_dim)).astype(np.float16)
         self.v = rng.standard_normal((tokens, dims.kv_heads, dims.head_dim)).astype(np.float16)
-        self.table = rng.permutation(self.pages).astype(np.int32)
+        self.table = rng.permutation(lay.num_pages).astype(np.int32)
         self.q = rng.standard_normal((A.MAX_ROWS, dims.heads, dims.head_dim)).astype(np.float32)
-        pool = (self.pages, dims.kv_heads, page, dims.head_dim)
         t = np.arange(tokens)
-        k_pool, v_pool = np.zeros(pool, np.float16), np.zeros(pool, np.float16)
+        k_pool, v_pool = np.zeros(lay.pool_shape, np.float16), np.zeros(lay.pool_shape, np.float16)
         k_pool[self.table[t // page], :, t % page] = self.k
         v_pool[self.table[t // page], :, t % page] = self.v
         self.buf = {"k_pool": driver.DeviceBuffer.from_array(k_pool), "v_pool": driver.DeviceBuffer.from_array(v_pool),
@@ -90,7 +91,7 @@ class _Setup:
             b.free()
 
 
-def _case(setup: _Setup, fns: dict, dec, comb, context: int, stream) -> dict:
+def _case(setup: _Setup, fns: tuple, dec, comb, context: int, stream) -> dict:
     """Check one (variant, m, context) against the reference, then time it; one result row."""
     m, d = dec.m, setup.dims
     acc, ml = (driver.DeviceBuffer(n) for n in A.partial_bytes(dec))
