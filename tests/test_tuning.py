@@ -31,6 +31,18 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
         assert ruled_out > 0 and all(s.splitk == 1 for s in cands)
 
 
+def test_the_kernel_run_now_competes_second():
+    """A sweep starts from the config default and what this GPU runs now (its tuned entry), so it never
+    stores anything slower than either; a current kernel the space already holds is not repeated."""
+    default = gemv.role_spec("down", QWEN25_7B, CFG)
+    current = gemv.role_spec("down", QWEN25_7B, CFG, rows=1, warps=8, tiles_per_warp=3)   # outside the space
+    cands, _ = space.gemv_candidates("down", QWEN25_7B, CFG, current=current)
+    assert cands[:2] == [default, current] and len(set(cands)) == len(cands)
+    inside = cands[5]
+    again, _ = space.gemv_candidates("down", QWEN25_7B, CFG, current=inside)
+    assert again.count(inside) == 1 and again[1] != inside
+
+
 @pytest.fixture
 def tmp_store(tmp_path, monkeypatch):
     """The user's tuned results under a fresh cache root (the shipped file is read beside it, never written)."""

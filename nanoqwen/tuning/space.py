@@ -53,11 +53,16 @@ def _product(space: dict[str, list], default, make) -> tuple[list, int]:
     return out, rejected
 
 
-def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
+def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config,
+                    current: gemv.GemvInt4Spec | None = None) -> tuple[list[gemv.GemvInt4Spec], int]:
     """(valid candidate specs for `role`, number ruled out by the spec's constraints). The config default
-    is always first, so a sweep can never end worse than the fallback."""
-    return _product(spaces()[gemv.GemvInt4Spec.family], gemv.role_spec(role, dims, cfg),
-                    lambda params: gemv.role_spec(role, dims, cfg, **params))
+    is always first and `current` (the kernel this GPU runs now, from its tuned entry) second, so a sweep
+    can never end worse than the fallback or than what is stored."""
+    cands, rejected = _product(spaces()[gemv.GemvInt4Spec.family], gemv.role_spec(role, dims, cfg),
+                               lambda params: gemv.role_spec(role, dims, cfg, **params))
+    if current is not None and current not in cands:
+        cands.insert(1, current)
+    return cands, rejected
 
 
 def multirow_candidates(one: gemv.GemvInt4Spec, m: int, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:

@@ -56,8 +56,8 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     tol = cfg.validation.gemv_rel_tol
     summary, entries = [], {}
     for role in roles:
-        one = tuned.role_spec(role, dims, cfg, gpu)   # m > 1: the m = 1 kernel whose rows the candidates keep
-        cands, ruled_out = (space.gemv_candidates(role, dims, cfg) if m == 1
+        one = tuned.role_spec(role, dims, cfg, gpu)   # now: the m = 1 kernel (m > 1: whose rows candidates keep)
+        cands, ruled_out = (space.gemv_candidates(role, dims, cfg, current=one) if m == 1
                             else space.multirow_candidates(one, m, cfg))
         log(f"{role}{f' m={m}' if m > 1 else ''}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
         built = codegen.build_many(cands + [one] * (m > 1), progress=codegen.ProgressLine(), return_exceptions=True)
