@@ -77,7 +77,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outc
 }
 
 # compile every kernel of the 7B and the test models first, in parallel on all cores
-stage compile 180 $PY -m nanoqwen.cli.gen compile --model 7b >/dev/null
+stage compile 180 sh -c "$PY -m nanoqwen.cli.gen compile --model 7b >/dev/null"   # quiet, but the stage line shows
 if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     for f in ${GPU_CHECK_TESTS:-tests/gpu/test_*.py}; do
         stage "$f" "${GPU_CHECK_TEST_TIMEOUT:-240}" $PY -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
