@@ -39,7 +39,8 @@
 #                      decode and TTFT against it (ab-decode.json), and fails the check when ms/token, the
 #                      graph step or TTFT is more than GPU_CHECK_GATE_PCT (default 1) percent slower.
 #   GPU_CHECK_AB       a tree of another commit (as above): the same A/B without the gate;
-#                      GPU_CHECK_AB_ALSO="ID=TREE ..." adds trees to every round (a bisection in one call)
+#                      GPU_CHECK_AB_ALSO="ID=TREE ..." adds trees to every round (a bisection in one call);
+#                      GPU_CHECK_AB_ROUNDS rounds (default 2; 3 or more where a 1% step in TTFT must be told from noise)
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,7 +110,7 @@ fi
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
 if [ -n "${GPU_CHECK_AB:-}" ]; then
-    ab_args=(--old-commit "$(basename "$GPU_CHECK_AB")" --out "$OUT/ab-decode.json")
+    ab_args=(--old-commit "$(basename "$GPU_CHECK_AB")" --rounds "${GPU_CHECK_AB_ROUNDS:-2}" --out "$OUT/ab-decode.json")
     [ -n "${GPU_CHECK_GATE:-}" ] && ab_args+=(--gate "${GPU_CHECK_GATE_PCT:-1}")
     for t in ${GPU_CHECK_AB_ALSO:-}; do ab_args+=(--also "$t"); done
     stage ab "${GPU_CHECK_AB_TIMEOUT:-560}" $PY tools/ab_bench.py "$GPU_CHECK_AB" "${ab_args[@]}"
