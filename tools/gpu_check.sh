@@ -5,6 +5,9 @@
 # (the device tool's output folder; /tmp/nanoqwen-gpu-check otherwise), at most 8 files.
 # Runs from the source tree with the machine's python3 (no installs): PYTHONPATH=.
 #   GPU_CHECK_TESTS    test files, space-separated (default: every tests/gpu/test_*.py; "none" skips)
+#   GPU_CHECK_PARALLEL_TESTS test files run in a second lane beside the others (e.g. tests/gpu/test_gemv.py, whose
+#                      ~260 s are mostly numpy on the host: the whole suite then fits one call); the files whose
+#                      tests compare times (TIMING_TESTS) wait until both lanes are done
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
@@ -66,6 +69,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,te
 $PY -c "import sys, numpy, cuda.bindings; from cuda.bindings import nvrtc; print(sys.version.split()[0], \
 'numpy', numpy.__version__, 'cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc.nvrtcVersion()[1:])"
 
+TIMING_TESTS="tests/gpu/test_bench.py tests/gpu/test_timeline.py"   # never beside another lane
 status=0
 stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outcome
     local name=$1 limit=$2 t0 rc
@@ -79,13 +83,35 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outc
 
 # compile every kernel of the 7B and the test models first, in parallel on all cores
 stage compile 180 sh -c "$PY -m nanoqwen.cli.gen compile --model 7b >/dev/null"   # quiet, but the stage line shows
-if [ "${GPU_CHECK_TESTS:-}" != none ]; then
-    for f in ${GPU_CHECK_TESTS:-tests/gpu/test_*.py}; do
-        stage "$f" "${GPU_CHECK_TEST_TIMEOUT:-240}" $PY -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" \
-            > /tmp/gpu_check_last.log 2>&1
-        cat /tmp/gpu_check_last.log >> "$OUT/pytest.log"
-        grep -a -E "passed|failed|error|FAILED|ERROR|^== " /tmp/gpu_check_last.log | tail -30
+test_files() {  # test_files PYTEST_LOG FILE...: one pytest process a file, its log appended to PYTEST_LOG
+    local into=$1 f log
+    shift
+    for f in "$@"; do
+        log=/tmp/gpu_check_$(basename "$f" .py).log
+        stage "$f" "${GPU_CHECK_TEST_TIMEOUT:-240}" $PY -m pytest -m gpu -q -rfE -p no:cacheprovider "$f" > "$log" 2>&1
+        cat "$log" >> "$into"
+        grep -a -E "passed|failed|error|FAILED|ERROR|^== " "$log" | tail -30
     done
+    return $status
+}
+if [ "${GPU_CHECK_TESTS:-}" != none ]; then
+    files=(${GPU_CHECK_TESTS:-tests/gpu/test_*.py})
+    lane=() serial=() rest=()
+    for f in "${files[@]}"; do
+        if [[ " ${GPU_CHECK_PARALLEL_TESTS:-} " == *" $f "* ]]; then lane+=("$f")
+        elif [ -n "${GPU_CHECK_PARALLEL_TESTS:-}" ] && [[ " $TIMING_TESTS " == *" $f "* ]]; then serial+=("$f")
+        else rest+=("$f"); fi
+    done
+    if [ ${#lane[@]} -gt 0 ]; then   # a second lane beside the others; the timing-checked files after both
+        test_files /tmp/gpu_check_lane.log "${lane[@]}" &
+        lane_pid=$!
+    fi
+    test_files "$OUT/pytest.log" "${rest[@]}"
+    if [ ${#lane[@]} -gt 0 ]; then
+        wait "$lane_pid" || status=1
+        cat /tmp/gpu_check_lane.log >> "$OUT/pytest.log"
+    fi
+    test_files "$OUT/pytest.log" "${serial[@]}"
 fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
     stage tune $(( GPU_CHECK_TUNE + 120 )) $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE" \
