@@ -43,12 +43,13 @@
 #                      graph step or TTFT is more than GPU_CHECK_GATE_PCT (default 1) percent slower.
 #   GPU_CHECK_AB       a tree of another commit (as above): the same A/B without the gate;
 #                      GPU_CHECK_AB_ALSO="ID=TREE ..." adds trees to every round (a bisection in one call);
-#                      GPU_CHECK_AB_ROUNDS rounds (default 2; 3 or more where a 1% step in TTFT must be told from noise)
+#                      GPU_CHECK_AB_ROUNDS rounds (default 2, the gate 3: a 1% step in TTFT must be told from noise)
 #   NANOQWEN_COMMIT    commit id recorded in the JSON (the device tree has no .git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${GPU_CHECK_GATE:-}" ]; then
     GPU_CHECK_AB=$GPU_CHECK_GATE GPU_CHECK_KERNELS=${GPU_CHECK_KERNELS:-0}   # and every GPU test (the default)
+    GPU_CHECK_AB_ROUNDS=${GPU_CHECK_AB_ROUNDS:-3}   # two rounds' TTFT medians spread about 1%, the gate's own size
 fi
 OUT=${OUT:-/tmp/nanoqwen-gpu-check}
 mkdir -p "$OUT"
