@@ -104,13 +104,14 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
         else rest+=("$f"); fi
     done
     if [ ${#lane[@]} -gt 0 ]; then   # a second lane beside the others; the timing-checked files after both
-        test_files /tmp/gpu_check_lane.log "${lane[@]}" &
+        lane_log=$(mktemp)
+        test_files "$lane_log" "${lane[@]}" &
         lane_pid=$!
     fi
     test_files "$OUT/pytest.log" "${rest[@]}"
     if [ ${#lane[@]} -gt 0 ]; then
         wait "$lane_pid" || status=1
-        cat /tmp/gpu_check_lane.log >> "$OUT/pytest.log"
+        cat "$lane_log" >> "$OUT/pytest.log" && rm -f "$lane_log"
     fi
     test_files "$OUT/pytest.log" "${serial[@]}"
 fi

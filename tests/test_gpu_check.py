@@ -1,0 +1,65 @@
+"""tools/gpu_check.sh's test lanes, run here with a stand-in interpreter (no GPU, no compile): a file named in
+GPU_CHECK_PARALLEL_TESTS runs beside the others, the timing-checked files only after both lanes, every
+file's log lands in pytest.log, and a failure in either lane fails the check."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Stands in for python3: the wheel install, the compile stage and the version line succeed at once; a pytest
+# run logs its file with start and end times (the lane file takes longer, so the others overlap it) and
+# fails for FAIL_FILE.
+FAKE_PY = r"""#!/usr/bin/env bash
+case "$*" in
+  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*) exit 0;;
+esac
+f="${@: -1}"
+echo "start $f $(date +%s.%N)" >> "$RUNS"
+sleep "$([ "$f" = "$SLOW_FILE" ] && echo 1.5 || echo 0.2)"
+echo "end $f $(date +%s.%N)" >> "$RUNS"
+echo "1 passed in 0.1s ($f)"
+[ "$f" = "${FAIL_FILE:-}" ] && exit 1
+exit 0
+"""
+
+SLOW, OTHERS, TIMING = ("tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "tests/gpu/test_driver.py"],
+                        "tests/gpu/test_bench.py")
+
+
+def _run(tmp_path: Path, fail: str = "") -> tuple[int, dict, str]:
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PY)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    runs, out = tmp_path / "runs.txt", tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(runs), SLOW_FILE=SLOW, FAIL_FILE=fail,
+               GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
+               GPU_CHECK_PARALLEL_TESTS=SLOW, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
+                        timeout=120).returncode
+    times = {}
+    for line in runs.read_text().splitlines():
+        what, f, t = line.split()
+        times.setdefault(f, {})[what] = float(t)
+    return rc, times, (out / "pytest.log").read_text()
+
+
+def test_the_parallel_lane_overlaps_and_the_timing_files_wait(tmp_path):
+    rc, t, log = _run(tmp_path)
+    assert rc == 0
+    assert set(t) == {SLOW, TIMING, *OTHERS}
+    assert all(t[f]["start"] < t[SLOW]["end"] for f in OTHERS)        # beside the slow file
+    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])   # after both lanes
+    assert all(f"({f})" in log for f in t)
+
+
+@pytest.mark.parametrize("fail", [SLOW, OTHERS[0]])
+def test_a_failure_in_either_lane_fails_the_check(tmp_path, fail):
+    rc, t, _ = _run(tmp_path, fail=fail)
+    assert rc == 1 and set(t) == {SLOW, TIMING, *OTHERS}   # and the other files still ran
