@@ -6,9 +6,16 @@ L2-resident in decode too). The expected output of weight set 0 follows the nume
 dequantized weights times the fp16 input (RMSNorm prologue via reference.rmsnorm_f16), fp32 sums, the
 epilogue's bias / residual / SwiGLU, and the f16 cast when the output is fp16. A multi-row spec (m > 1) gets
 m random activation rows; its outputs are [m, n], and `alone` runs the m = 1 kernel on each row by itself:
-the multi-row contract is that the two agree bit for bit (DESIGN.md section 12)."""
+the multi-row contract is that the two agree bit for bit (DESIGN.md section 12).
+
+Drawing and dequantizing a 7B weight takes seconds of host time (gate_up: ~3 s a matrix), more than the
+kernel's check. The GPU tests judge many tile variants of each shape, so `GemvCase.seeded` draws a seed's
+weights once per shape (`seeded_weights`) and continues that seed's generator for the rest, giving the very
+data `GemvCase(spec, np.random.default_rng(seed))` gives."""
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 
@@ -27,6 +34,14 @@ def random_int4(rng, n: int, k: int, group: int):
     return packed, scales, quant.dequantize(packed, scales)
 
 
+@cache
+def seeded_weights(seed: int, n: int, k: int, group: int, mats: int) -> tuple[tuple, dict]:
+    """The first ``mats`` random_int4 draws of ``default_rng(seed)`` and the generator's state after them,
+    computed once per process."""
+    rng = np.random.default_rng(seed)
+    return tuple(random_int4(rng, n, k, group) for _ in range(mats)), rng.bit_generator.state
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     """The raw bits of fp16 / fp32 outputs, for bitwise comparisons (NaN == NaN, -0 != +0)."""
     return a.view(np.uint16 if a.dtype == np.float16 else np.uint32)
@@ -42,10 +57,12 @@ class GemvCase:
     """Device buffers of one (epilogue, norm, out_f16, n, k) variant; any tile spec of that variant runs
     on them (the tuner times many candidates over one case)."""
 
-    def __init__(self, spec: gemv.GemvInt4Spec, rng, copies: int = 1, massive: bool = False, massive_rows=None):
+    def __init__(self, spec: gemv.GemvInt4Spec, rng, copies: int = 1, massive: bool = False, massive_rows=None,
+                 weights=None):
         """`massive`: plant Qwen2-style massive activations, so that a few inputs sit at the fp16 limit
         (+-65504 after the saturating casts) and the kernel's fp16 chains must not overflow; in every row, or
-        only in the rows `massive_rows` names (the others stay ordinary)."""
+        only in the rows `massive_rows` names (the others stay ordinary). `weights`: the random_int4 draws to
+        use (`seeded`), else they are drawn from `rng` first."""
         self.spec, self.copies = spec, copies
         n, k = spec.n, spec.k
         rows = (spec.m,) if spec.m > 1 else ()   # the activations' and outputs' leading axis
@@ -57,7 +74,7 @@ class GemvCase:
         self.bufs: list[driver.DeviceBuffer] = []
         mats, self.weights = [], [{} for _ in range(copies)]
         for m in range(spec.mats):
-            packed, scales, w = random_int4(rng, n, k, spec.group)
+            packed, scales, w = weights[m] if weights else random_int4(rng, n, k, spec.group)
             mats.append(w)
             for ws in self.weights:
                 ws[f"w{m}"], ws[f"s{m}"] = self._dev(packed), self._dev(scales)
@@ -95,6 +112,14 @@ class GemvCase:
         self.expected = R.f16(ref) if spec.out_f16 else ref
         self.act["y"] = self.y = driver.DeviceBuffer(spec.m * n * np.dtype(self.out_dtype).itemsize)
         self.bufs.append(self.y)
+
+    @classmethod
+    def seeded(cls, spec: gemv.GemvInt4Spec, seed: int, **kw) -> "GemvCase":
+        """``GemvCase(spec, np.random.default_rng(seed), **kw)``, its weights drawn once per process."""
+        weights, state = seeded_weights(seed, spec.n, spec.k, spec.group, spec.mats)
+        rng = np.random.default_rng(seed)
+        rng.bit_generator.state = state
+        return cls(spec, rng, weights=weights, **kw)
 
     def _dev(self, a) -> driver.DeviceBuffer:
         b = driver.DeviceBuffer.from_array(np.ascontiguousarray(a))
