@@ -17,7 +17,7 @@ from nanoqwen.dims import ModelDims
 from nanoqwen.hf import HFCheckpoint
 from nanoqwen.nqfile import NanoqwenFile, NqFileError
 from nanoqwen.pack import pack_hf, pack_random
-from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
+from nanoqwen.tokenizer import FILES, TEXT_CACHE, Tokenizer, TokenizerError, load
 
 DIR = testmodels.SMALL_PY_DIR
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café — 中文字符 and emoji 😀👍🏽 ∑ ≠ €",
@@ -81,6 +81,29 @@ def test_chat_content_is_text_the_template_tokens_are_special(tok):
     plain = tok.apply_chat_template([{"role": "user", "content": "x"}])
     assert [i for i in ids if i in special] == [i for i in tok.encode(plain) if i in special]
     assert tok.decode(ids) == tok.apply_chat_template(chat)
+
+
+def test_repeated_texts_are_tokenized_once():
+    """An editor resends its unchanged context with every keystroke: encode_text gives a repeated text's ids
+    from its cache (the last TEXT_CACHE texts) without tokenizing it again, as fresh lists equal to the
+    tokenizer's own."""
+    tok = Tokenizer(DIR)
+    plain, calls = tok._plain, []
+
+    class Counting:
+        def encode_batch(self, texts, **kw):
+            calls.extend(texts)
+            return plain.encode_batch(texts, **kw)
+    tok.__dict__["_plain"] = Counting()
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(TEXT_CACHE + 1)]
+    want = [plain.encode_batch([t], add_special_tokens=False)[0].ids for t in texts]
+    got = tok.encode_text(texts[0])
+    assert got == want[0] and calls == texts[:1]
+    got.append(-1)                                        # the caller's list, not the cache's
+    assert tok.encode_text(texts[0]) == want[0] and calls == texts[:1]
+    assert [tok.encode_text(t) for t in texts[1:]] == want[1:] and calls == texts
+    assert tok.encode_text(texts[-1]) == want[-1] and len(calls) == len(texts)
+    assert tok.encode_text(texts[0]) == want[0] and calls[-1] == texts[0], "the oldest text was dropped"
 
 
 def test_chat_template_with_tools_matches_transformers(tok, hf):
