@@ -1,7 +1,7 @@
 """The server's limits, on a real process started with --max-running 1 --max-queue 1 --api-key
 --max-body-bytes: a request beyond the queue gets 503 with Retry-After, a missing or wrong key 401 (/health
 and /metrics stay open), a body over the limit 413 (declared or chunked), and the server answers on after
-each."""
+each. Its accepted connections send without Nagle's delay (TCP_NODELAY)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,27 @@ def test_a_busy_port_is_one_line(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_accepted_connections_send_without_delay():
+    """asyncio (uvicorn's loop without uvloop) sets TCP_NODELAY on an accepted connection only when the
+    listening socket says IPPROTO_TCP; without it Nagle held each response's second write for the client's
+    delayed ACK, ~40 ms a request on one kept-alive connection."""
+    import asyncio
+    import socket
+
+    from nanoqwen.cli.serve import listen
+
+    async def accept_one() -> int:
+        sock = listen("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(
+            lambda r, w: accepted.set_result(w.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                                     socket.TCP_NODELAY)), sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(accept_one()) == 1

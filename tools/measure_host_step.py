@@ -17,6 +17,7 @@ import json
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from nanoqwen import testmodels, tokenizer
@@ -28,6 +29,7 @@ class Instant:
     """The multi-sequence step as a wait of ``step_s`` (a GPU step the host waits for, releasing the GIL, so
     the streams overlap as they do on the GPU): every row's argmax is ``token``; ``waited`` sums the waits."""
     max_rows = 16
+    costs = None   # steps are not timed: a drafter's k stands (the contract of runtime/batch.py)
 
     def __init__(self, token: int, step_s: float, pages: int = 4096, page_size: int = 16):
         self.token, self.step_s, self.cache = token, step_s, PrefixCache(pages, page_size)
@@ -87,9 +89,10 @@ def serve(streams: int, context: int, step_s: float) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
-def measure(streams: int, tokens: int, step_ms: float) -> dict:
-    """N clients (threads of this process, one kept-alive connection each) stream ``tokens`` each from a
-    stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
+@contextmanager
+def stand_in(streams: int, tokens: int, step_ms: float):
+    """The stand-in server in a process of its own (``serve``: ``streams`` at once, 4 x ``tokens`` of
+    context, a step that waits ``step_ms``), ready: its URL."""
     import subprocess
     import httpx
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
@@ -106,6 +109,17 @@ def measure(streams: int, tokens: int, step_ms: float) -> dict:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit("the stand-in server did not start")
             time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def measure(streams: int, tokens: int, step_ms: float) -> dict:
+    """N clients (threads of this process, one kept-alive connection each) stream ``tokens`` each from a
+    stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
+    import httpx
+    with stand_in(streams, tokens, step_ms) as url:
         clients = [httpx.Client(timeout=120) for _ in range(streams)]
         barrier, done = threading.Barrier(streams + 1), []
 
@@ -133,9 +147,6 @@ def measure(streams: int, tokens: int, step_ms: float) -> dict:
         n, waited = n1 - n0, w1 - w0
         for c in clients:
             c.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
     return {"streams": streams, "tokens_each": tokens, "steps": int(n), "wall_s": wall,
             "step_wait_ms": 1e3 * waited / n, "host_ms_per_step": 1e3 * (wall - waited) / n}
 

@@ -106,11 +106,14 @@ def _log(msg: str) -> None:
 
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything loads, so the log line names the real port (0 picks a
-    free one without a window in which another process could take it) and a busy address is one line."""
+    free one without a window in which another process could take it) and a busy address is one line.
+    It says IPPROTO_TCP (create_server's says 0): asyncio sets TCP_NODELAY on an accepted connection only
+    then, and without it a kept-alive client waited ~40 ms for each response (Nagle beside delayed ACKs)."""
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise NanoqwenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
 def run(args) -> int:
