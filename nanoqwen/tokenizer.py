@@ -15,17 +15,14 @@ import re
 import secrets
 import stat
 from datetime import datetime
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 
 from . import NanoqwenError
 from .dims import ModelDims
 from .nqfile import NanoqwenFile
 from .safefile import SIDE_FILE_LIMIT, lookup, parse_json, read_regular
-
-# Texts whose ids encode_text keeps (least recently used dropped first): an editor resends its unchanged extra
-# context with every keystroke (llama.vim: a ring of 16 chunks), a chat its system prompt with every turn.
-TEXT_CACHE = 64
+from .tokenpieces import PieceCache, splits_lines
 
 # What a .nanoqwen file stores of a HF directory, as blobs under these names; tokenizer.json is required.
 # Recent transformers save the chat template in chat_template.jinja (which then wins, as in transformers)
@@ -169,16 +166,14 @@ class Tokenizer:
     def encode_text(self, text: str) -> list[int]:
         """User content as text: ``<|fim_middle|>`` typed in an editor buffer stays the characters it is
         (transformers' split_special_tokens, for every added token: Qwen's FIM tokens are not marked
-        special). Equal to ``encode`` for text that holds no added token. A text's ids depend on nothing
-        else, so the last TEXT_CACHE texts' ids are kept: a repeated text costs a lookup."""
-        return list(self._text_ids(text))
+        special). Equal to ``encode`` for text that holds no added token. Tokenized in pieces whose ids
+        are kept (tokenpieces.py): an editor's resent text costs the pieces that changed."""
+        return self._pieces.encode(text)
 
     @cached_property
-    def _text_ids(self):
-        @lru_cache(maxsize=TEXT_CACHE)
-        def ids(text: str) -> tuple[int, ...]:
-            return tuple(self._plain.encode_batch([text], add_special_tokens=False)[0].ids)
-        return ids
+    def _pieces(self) -> PieceCache:
+        lines = splits_lines(json.loads(self._files["tokenizer.json"]))
+        return PieceCache(lambda texts: [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)], lines)
 
     @cached_property
     def _plain(self):

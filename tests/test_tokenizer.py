@@ -10,6 +10,8 @@ import re
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from _corrupt import set_version
 
 from nanoqwen import NanoqwenError, testmodels
@@ -17,7 +19,8 @@ from nanoqwen.dims import ModelDims
 from nanoqwen.hf import HFCheckpoint
 from nanoqwen.nqfile import NanoqwenFile, NqFileError
 from nanoqwen.pack import pack_hf, pack_random
-from nanoqwen.tokenizer import FILES, TEXT_CACHE, Tokenizer, TokenizerError, load
+from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
+from nanoqwen.tokenpieces import LINE_CACHE, splits_lines
 
 DIR = testmodels.SMALL_PY_DIR
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café — 中文字符 and emoji 😀👍🏽 ∑ ≠ €",
@@ -83,11 +86,23 @@ def test_chat_content_is_text_the_template_tokens_are_special(tok):
     assert tok.decode(ids) == tok.apply_chat_template(chat)
 
 
-def test_repeated_texts_are_tokenized_once():
-    """An editor resends its unchanged context with every keystroke: encode_text gives a repeated text's ids
-    from its cache (the last TEXT_CACHE texts) without tokenizing it again, as fresh lists equal to the
-    tokenizer's own."""
+# adversarial for the line split: Unicode spaces Python and the tokenizer count differently, line and
+# paragraph separators, a combining mark (NFC), "\r\n", the regex's contractions and punctuation runs
+PIECE_CHARS = st.sampled_from(["a", "Zé", "1", " ", "  ", "\t", "\n", "\r\n", "\r", ":", "('", "'s", "\u2028",
+                               "\x1c", "\u0301", "\xa0", "中", "\x0b", "\x85", "  def f(x):", "\n    ", "\n\n"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(PIECE_CHARS, max_size=40).map("".join))
+def test_pieces_give_the_whole_texts_ids(text):
     tok = Tokenizer(DIR)
+    whole = tok._plain.encode_batch([text], add_special_tokens=False)[0].ids
+    assert tok.encode_text(text) == whole
+    assert tok.encode_text(text + "\n    x") == tok._plain.encode_batch([text + "\n    x"], add_special_tokens=False)[0].ids
+
+
+def counting(tok) -> list:
+    """Every text the tokenizer's plain copy tokenizes from now on, in order."""
     plain, calls = tok._plain, []
 
     class Counting:
@@ -95,15 +110,49 @@ def test_repeated_texts_are_tokenized_once():
             calls.extend(texts)
             return plain.encode_batch(texts, **kw)
     tok.__dict__["_plain"] = Counting()
-    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(TEXT_CACHE + 1)]
-    want = [plain.encode_batch([t], add_special_tokens=False)[0].ids for t in texts]
-    got = tok.encode_text(texts[0])
-    assert got == want[0] and calls == texts[:1]
-    got.append(-1)                                        # the caller's list, not the cache's
-    assert tok.encode_text(texts[0]) == want[0] and calls == texts[:1]
-    assert [tok.encode_text(t) for t in texts[1:]] == want[1:] and calls == texts
-    assert tok.encode_text(texts[-1]) == want[-1] and len(calls) == len(texts)
-    assert tok.encode_text(texts[0]) == want[0] and calls[-1] == texts[0], "the oldest text was dropped"
+    return calls
+
+
+def test_a_keystroke_costs_the_changed_line():
+    """An editor resends its text one character longer: encode_text gives the same ids as tokenizing it
+    whole, tokenizing only the line that changed; the lists are the caller's."""
+    tok = Tokenizer(DIR)
+    assert splits_lines(json.loads((DIR / "tokenizer.json").read_text())), "small-py has Qwen2's pre-tokenizer"
+    text = "class A:\n    def f(self, x):\n        return x\n\n    def g(self):\n        pass\n"
+    want = tok._plain.encode_batch([text + "  #"], add_special_tokens=False)[0].ids
+    calls = counting(tok)
+    first = tok.encode_text(text + "  #")
+    assert first == want and len(calls) == 6 and "".join(calls) == text + "  #"   # a piece a line
+    first.append(-1)
+    calls.clear()
+    assert tok.encode_text(text + "  #") == want and calls == []
+    again = tok.encode_text(text + "  #x")
+    assert calls == ["  #x"] and again == tok._plain.encode_batch([text + "  #x"], add_special_tokens=False)[0].ids
+
+
+def test_other_pre_tokenizers_tokenize_whole_texts(tmp_path):
+    """A tokenizer whose pre-tokenizer is not Qwen2's is never split: its texts are cached whole."""
+    spec = json.loads((DIR / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"
+    assert not splits_lines(spec)
+    other = tmp_path / "other"
+    shutil.copytree(DIR, other)
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer(other)
+    calls = counting(tok)
+    text = "def f():\n    return 1\n"
+    assert tok.encode_text(text) == tok.encode_text(text) and calls == [text]
+
+
+def test_the_line_cache_is_bounded():
+    tok = Tokenizer(DIR)
+    calls = counting(tok)
+    lines = [f"x{i} = {i}\n" for i in range(LINE_CACHE + 1)]
+    tok.encode_text("".join(lines))
+    assert len(calls) == LINE_CACHE + 1 and len(tok._pieces._ids) == LINE_CACHE
+    calls.clear()
+    tok.encode_text(lines[0] + lines[-1])
+    assert calls == [lines[0]], "the least recently used line was dropped, the newest kept"
 
 
 def test_chat_template_with_tools_matches_transformers(tok, hf):
