@@ -167,8 +167,10 @@ def test_openai_sdk_parse_structured_output(server):
         y: int
         label: str = pydantic.Field(max_length=8)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # greedy: at the default temperature (1, no seed) each run sampled anew, and an integer's digits could run
+    # past max_tokens (a CI failure); greedy writes {"x": 1, "y": 2, "label": "my"}, ~20 tokens
     r = client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "A point"}],
-                                      response_format=Point, max_tokens=80)
+                                      response_format=Point, max_tokens=80, temperature=0)
     assert isinstance(r.choices[0].message.parsed, Point)
 
 
