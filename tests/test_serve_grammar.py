@@ -76,7 +76,7 @@ def test_json_object_answers_parse(client):
 
 
 def test_llama_server_json_schema_and_gbnf_on_completions(client):
-    r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 100,
+    r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 100, "temperature": 0,
                                              "json_schema": {"type": "array", "items": {"type": "integer"},
                                                              "maxItems": 4}}).json()
     assert all(isinstance(v, int) for v in json.loads(r["choices"][0]["text"]))
