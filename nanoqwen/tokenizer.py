@@ -172,16 +172,19 @@ class Tokenizer:
 
     @cached_property
     def _pieces(self) -> PieceCache:
-        lines = splits_lines(json.loads(self._files["tokenizer.json"]))
-        return PieceCache(lambda texts: [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)], lines)
+        return PieceCache(lambda texts: [e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False)],
+                          splits_lines(self._spec))
+
+    @cached_property
+    def _spec(self) -> dict:
+        """tokenizer.json, parsed (Qwen's is ~7 MB: once)."""
+        return json.loads(self._files["tokenizer.json"])
 
     @cached_property
     def _plain(self):
         """The same tokenizer without its added tokens: nothing in the text is taken for one."""
         from tokenizers import Tokenizer as HFTokenizer
-        spec = json.loads(self._files["tokenizer.json"])
-        spec["added_tokens"] = []
-        return HFTokenizer.from_str(json.dumps(spec))
+        return HFTokenizer.from_str(json.dumps({**self._spec, "added_tokens": []}))
 
     @cached_property
     def _added(self) -> re.Pattern:

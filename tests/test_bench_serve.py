@@ -19,7 +19,8 @@ def test_serve_bench_measures_the_editor_requests(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("NANOQWEN_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "serve.json"
     assert serve.main(["--backend", "reference", "--model", str(testmodels.SMALL_PY_DIR), "--repetitions", "2",
-                       "--gen-tokens", "4", "--sizes", "8,64,16,32", "--json", str(out)]) == 0
+                       "--gen-tokens", "4", "--sizes", ",".join(map(str, vars(SIZES).values())),
+                       "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["kind"] == "nanoqwen-bench-serve" and res["protocol"]["sizes"] == vars(SIZES)
     cached = SIZES.long - SIZES.tail

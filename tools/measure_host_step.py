@@ -18,11 +18,14 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from nanoqwen import testmodels, tokenizer
 from nanoqwen.runtime.batch import PagesShort, Rows, Sequence
 from nanoqwen.runtime.prefix_cache import PrefixCache
+from nanoqwen.serve.launch import read_metric
 
 
 class Instant:
@@ -92,7 +95,7 @@ def serve(streams: int, context: int, step_s: float) -> None:
 @contextmanager
 def stand_in(streams: int, tokens: int, step_ms: float):
     """The stand-in server in a process of its own (``serve``: ``streams`` at once, 4 x ``tokens`` of
-    context, a step that waits ``step_ms``), ready: its URL."""
+    context, a step that waits ``step_ms``), ready: its ``url`` and ``metric(name)``, as a ServerProcess has."""
     import subprocess
     import httpx
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
@@ -109,7 +112,7 @@ def stand_in(streams: int, tokens: int, step_ms: float):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit("the stand-in server did not start")
             time.sleep(0.05)
-        yield url
+        yield SimpleNamespace(url=url, metric=partial(read_metric, url))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -119,7 +122,8 @@ def measure(streams: int, tokens: int, step_ms: float) -> dict:
     """N clients (threads of this process, one kept-alive connection each) stream ``tokens`` each from a
     stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
     import httpx
-    with stand_in(streams, tokens, step_ms) as url:
+    with stand_in(streams, tokens, step_ms) as srv:
+        url = srv.url
         clients = [httpx.Client(timeout=120) for _ in range(streams)]
         barrier, done = threading.Barrier(streams + 1), []
 

@@ -27,7 +27,7 @@ import httpx
 from measure_host_step import stand_in
 from nanoqwen import testmodels
 from nanoqwen.bench.kernels import git_commit
-from nanoqwen.bench.server_ttft import TTFT
+from nanoqwen.bench.server_ttft import ServerTTFT
 from nanoqwen.serve import prompts
 from nanoqwen.tokenizer import Tokenizer
 
@@ -44,19 +44,17 @@ def request(lines: list[str]) -> tuple[list[tuple[str, str]], str, str]:
 def server(chunks, prefix: str, suffix: str, tokens: int, reps: int) -> dict:
     """Keystroke re-requests (after two to warm up) against the stand-in server: its TTFT and the client's."""
     extra = [{"filename": name, "text": text} for name, text in chunks]
-    with stand_in(1, tokens, 0.0) as url, httpx.Client(timeout=120) as client:
-        def ttft_sum() -> float:
-            return next(float(line.split()[1]) for line in client.get(f"{url}/metrics").text.splitlines()
-                        if line.startswith(f"{TTFT}_sum "))
+    with stand_in(1, tokens, 0.0) as srv, httpx.Client(timeout=120) as client:
         server_ms, client_ms = [], []
         for r in range(reps + 2):
-            s0, t0 = ttft_sum(), time.perf_counter()
-            res = client.post(f"{url}/infill", json={"input_extra": extra, "input_prefix": prefix + "x" * r,
-                                                     "input_suffix": suffix, "n_predict": 1})
-            wall = time.perf_counter() - t0
-            res.raise_for_status()
+            with ServerTTFT(srv) as ttft:
+                t0 = time.perf_counter()
+                res = client.post(f"{srv.url}/infill", json={"input_extra": extra, "input_prefix": prefix + "x" * r,
+                                                             "input_suffix": suffix, "n_predict": 1})
+                wall = time.perf_counter() - t0
+                res.raise_for_status()
             if r >= 2:
-                server_ms.append(1e3 * (ttft_sum() - s0))
+                server_ms.append(ttft.ms)
                 client_ms.append(1e3 * wall)
     return {"server_ttft": statistics.median(server_ms), "client": statistics.median(client_ms),
             "tokens_cached": res.json()["tokens_cached"], "samples_ms": {"server_ttft": server_ms, "client": client_ms}}

@@ -54,7 +54,7 @@ class Editor:
     tail: int = 32
     extra: int = 3072
 
-    def check(self) -> None:
+    def __post_init__(self):
         if min(self.cold, self.tail, self.extra) < 1 or self.extra + self.tail > self.long:
             raise ValueError(f"prompt sizes need cold, tail, extra >= 1 and extra + tail <= long, got {self}")
 
@@ -136,7 +136,6 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
         sizes: Editor = Editor()) -> dict:
     """``model``/``backend`` other than the synthetic 7B on cuda only serve to try the script elsewhere."""
     from ..serve.launch import ServerProcess
-    sizes.check()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
     gpu = protocol.gpu_info(backend)
@@ -257,7 +256,6 @@ def main(argv=None) -> int:
             if len(n) != 4:
                 raise ValueError(f"four numbers COLD,LONG,TAIL,EXTRA, got {args.sizes!r}")
             sizes = Editor(*n)
-            sizes.check()
         except ValueError as e:
             p.error(f"--sizes: {e}")
     if args.concurrency:

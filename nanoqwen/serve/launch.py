@@ -55,12 +55,7 @@ class ServerProcess:
         return self.log.read()
 
     def metric(self, name: str, **labels) -> float:
-        """One sample of /metrics (0 when the series does not exist yet)."""
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in httpx.get(f"{self.url}/metrics", timeout=60).text.splitlines():
-            if line.rsplit(" ", 1)[0] == want:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return read_metric(self.url, name, **labels)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -71,3 +66,12 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def read_metric(url: str, name: str, **labels) -> float:
+    """One sample of the /metrics of the server at ``url`` (0 when the series does not exist yet)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.rsplit(" ", 1)[0] == want:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
