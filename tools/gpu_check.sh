@@ -29,6 +29,10 @@
 #                      carry) are installed first
 #   GPU_CHECK_CONCURRENCY 1 runs the server's concurrency table (1..16 streaming clients at once, TTFT while 7
 #                      decode; concurrency.json; needs the wheels as GPU_CHECK_SERVE)
+#   GPU_CHECK_LLAMA    1 runs llama.cpp on the same GPU (bench/llamacpp.py: llama-bench's pp512 and tg128 at depths
+#                      512 / 4096 / 16384, llama-server's concurrency table at -np 8; llamacpp.json) on the
+#                      synthetic 7B at Q4_K_M; needs .llama/ (tools/build_llama.sh; name .llama in carry) and the
+#                      gguf wheel from .whl/
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
@@ -136,6 +140,7 @@ fi
     --json "$OUT/concurrency.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
+[ "${GPU_CHECK_LLAMA:-0}" = 1 ] && stage llamacpp 540 $PY -m nanoqwen.bench.llamacpp --json "$OUT/llamacpp.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
 if [ -n "${GPU_CHECK_AB:-}" ]; then
     ab_args=(--old-commit "$(basename "$GPU_CHECK_AB")" --rounds "${GPU_CHECK_AB_ROUNDS:-2}" --out "$OUT/ab-decode.json")

@@ -132,6 +132,43 @@ def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
 
+def ttft_summary(xs: list[dict]) -> dict:
+    """Each timing of ``ttft``'s results summarised, and the cached tokens of each request."""
+    return {k: summary([x[k] for x in xs]) for k in xs[0] if k != "cached_tokens"} | {
+        "cached_tokens": [x["cached_tokens"] for x in xs]}
+
+
+def editor_cases(ttft, warm_up, rand, sizes: Editor, reps: int, vocab: int) -> dict[str, list[dict]]:
+    """(a), (b), (d) and (e), ``reps`` requests each, on one server: ``ttft(prompt)`` times one request of one
+    token (a dict of times and ``cached_tokens``), ``warm_up(prompt)`` has the server prefill and keep a prompt,
+    ``rand(n)`` draws n token ids."""
+    cached = sizes.long - sizes.tail
+
+    def keystroke(prompt):   # the prompt with its last ``tail`` tokens changed
+        return prompt[:cached] + [(t + 1) % vocab for t in prompt[cached:]]
+
+    cold = [ttft(rand(sizes.cold)) for _ in range(reps)]
+    base = rand(sizes.long)
+    ttft(base)   # the sequence later requests share ``cached`` tokens with
+    again = []
+    for _ in range(reps):   # each request shares ``cached`` tokens with the one before
+        base = keystroke(base)
+        again.append(ttft(base))
+    warmed = []
+    for _ in range(reps):
+        extra = rand(cached)
+        warm_up(extra)
+        warmed.append(ttft(extra + rand(sizes.tail)))
+    between = []
+    for _ in range(reps):
+        extra, file = rand(sizes.extra), rand(sizes.long - sizes.extra)
+        ttft(extra + file)
+        warm_up(extra)
+        between.append(ttft(keystroke(extra + file)))
+    return {"ttft_cold": cold, "ttft_rerequest": again, "ttft_after_warm_up": warmed,
+            "ttft_warm_up_between_keystrokes": between}
+
+
 def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda", log=None,
         sizes: Editor = Editor()) -> dict:
     """``model``/``backend`` other than the synthetic 7B on cuda only serve to try the script elsewhere."""
@@ -144,13 +181,9 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
     dims = nq.dims
     context = sizes.long + gen
     rng = np.random.default_rng(protocol.SYNTHETIC_SEED)
-    cached = sizes.long - sizes.tail
 
     def rand(n):
         return rng.integers(0, dims.vocab, n).tolist()
-
-    def keystroke(prompt):   # the prompt with its last ``tail`` tokens changed
-        return prompt[:cached] + [(t + 1) % dims.vocab for t in prompt[cached:]]
 
     stream_prompts = [rand(sizes.cold) for _ in range(reps)]
     log(f"engine: {reps} x (prompt {sizes.cold}, {gen} tokens) in this process")
@@ -162,33 +195,14 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
         try:
             with httpx.Client(timeout=300) as client:   # one kept-alive connection, as an editor keeps
                 stream_rate(srv, client, rand(sizes.cold), 16)   # the first request through every path
-                cold = [server_ttft(srv, client, rand(sizes.cold)) for _ in range(reps)]
-                base = rand(sizes.long)
-                server_ttft(srv, client, base)   # the sequence later requests share ``cached`` tokens with
-                again = []
-                for _ in range(reps):   # each request shares ``cached`` tokens with the one before
-                    base = keystroke(base)
-                    again.append(server_ttft(srv, client, base))
-                warmed = []
-                for _ in range(reps):
-                    extra = rand(cached)
-                    warm_up(srv, client, extra)
-                    warmed.append(server_ttft(srv, client, extra + rand(sizes.tail)))
-                between = []
-                for _ in range(reps):
-                    extra, file = rand(sizes.extra), rand(sizes.long - sizes.extra)
-                    server_ttft(srv, client, extra + file)
-                    warm_up(srv, client, extra)
-                    between.append(server_ttft(srv, client, keystroke(extra + file)))
+                cases = editor_cases(lambda p: server_ttft(srv, client, p), lambda p: warm_up(srv, client, p),
+                                     rand, sizes, reps, dims.vocab)
                 streams = [stream_rate(srv, client, p, gen) for p in stream_prompts]
         finally:
             srv.close()
     served = [s["rate"] for s in streams]
     ratio = statistics.median(served) / statistics.median(engine)
-
-    def ttft(xs):
-        return {k: summary([x[k] for x in xs]) for k in ("server_ms", "client_ms")} | {
-            "cached_tokens": [x["cached_tokens"] for x in xs]}
+    again, warmed, cold = cases["ttft_rerequest"], cases["ttft_after_warm_up"], cases["ttft_cold"]
 
     def median(xs, k="server_ms"):
         return statistics.median(x[k] for x in xs)
@@ -201,10 +215,7 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
                          "ttft": "server histogram (request received -> first token), sum delta per request",
                          "client": "one kept-alive httpx.Client for every request",
                          "warm_up": "POST /v1/completions with max_tokens 0"},
-            "ttft_cold": ttft(cold),
-            "ttft_rerequest": ttft(again),
-            "ttft_after_warm_up": ttft(warmed),
-            "ttft_warm_up_between_keystrokes": ttft(between),
+            **{case: ttft_summary(xs) for case, xs in cases.items()},
             "stream_tokens_per_s": {"server": summary(served), "engine": summary(engine), "server_vs_engine": ratio},
             "stream_ttft": {k: summary([s[k] for s in streams]) for k in ("server_ms", "client_ms")},
             "targets": TARGETS,

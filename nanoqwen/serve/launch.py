@@ -1,6 +1,6 @@
-"""`nanoqwen serve` as a child process, for the tests and the server benchmark: started with ``--port 0`` on
-127.0.0.1 (the server binds a free port itself and names it in its first log line, so no other process can
-take the port in between), ready once /health says 200, read through /metrics, stopped with SIGTERM."""
+"""A server as a child process, for the tests and the server benchmarks: `nanoqwen serve` (``ServerProcess``)
+or another server that the benchmarks compare with (bench/llamacpp.py's llama-server). Each binds 127.0.0.1,
+is ready once /health says 200, and is stopped with SIGTERM; its output goes to a log file."""
 
 from __future__ import annotations
 
@@ -17,33 +17,30 @@ import httpx
 from ..paths import PACKAGE_DIR
 
 
-class ServerProcess:
-    def __init__(self, model: str | Path, *args: str, backend: str = "reference", log_dir: Path,
-                 env: dict | None = None, timeout: float = 180):
-        inherited = {k: v for k, v in os.environ.items() if k != "NANOQWEN_API_KEY"}   # a key only when given
-        env = dict(inherited, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
-                   **(env or {}))
-        fd, path = tempfile.mkstemp(dir=log_dir, prefix="serve-", suffix=".log")
+class ChildServer:
+    """``argv`` started with ``env``; its URL is ``url``, or the first match of ``bound`` in its output (a
+    regular expression whose group 1 is the port: the server picks a free port itself and names it)."""
+
+    def __init__(self, argv: list[str], *, name: str, log_dir: Path, env: dict | None = None,
+                 url: str | None = None, bound: str | None = None, timeout: float = 180):
+        fd, path = tempfile.mkstemp(dir=log_dir, prefix=f"{name.replace(' ', '-')}-", suffix=".log")
         os.close(fd)
         self.log = open(path, "a+")   # O_APPEND: the child's writes never land where ``output`` seeks
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model),
-                                      "--backend", backend, "--host", "127.0.0.1", "--port", "0", *args],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = url
         deadline = time.monotonic() + timeout
-        self.port = None
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nanoqwen serve exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"nanoqwen serve not ready in {timeout:.0f} s:\n{self.output()}")
-            if self.port is None:
-                bound = re.search(r"^nanoqwen serve: .* on http://127\.0\.0\.1:(\d+) ", self.output(), re.M)
-                if bound:
-                    self.port = int(bound[1])
-                    self.url = f"http://127.0.0.1:{self.port}"
+                raise RuntimeError(f"{name} not ready in {timeout:.0f} s:\n{self.output()}")
+            if self.url is None:
+                m = re.search(bound, self.output(), re.M)
+                if m:
+                    self.url = f"http://127.0.0.1:{int(m[1])}"
             try:
-                if self.port is not None and httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if self.url is not None and httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -66,6 +63,22 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class ServerProcess(ChildServer):
+    """`nanoqwen serve MODEL ARGS` on ``--port 0``: it binds a free port and names it in its first log line,
+    so no other process can take the port in between."""
+
+    def __init__(self, model: str | Path, *args: str, backend: str = "reference", log_dir: Path,
+                 env: dict | None = None, timeout: float = 180):
+        inherited = {k: v for k, v in os.environ.items() if k != "NANOQWEN_API_KEY"}   # a key only when given
+        env = dict(inherited, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")])),
+                   **(env or {}))
+        super().__init__([sys.executable, "-m", "nanoqwen.cli.main", "serve", str(model), "--backend", backend,
+                          "--host", "127.0.0.1", "--port", "0", *args],
+                         name="nanoqwen serve", log_dir=log_dir, env=env, timeout=timeout,
+                         bound=r"^nanoqwen serve: .* on http://127\.0\.0\.1:(\d+) ")
+        self.port = int(self.url.rsplit(":", 1)[1])
 
 
 def read_metric(url: str, name: str, **labels) -> float:
