@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 
 from ..runtime.batch import Decoding, PagesShort, step_rows
-from ..runtime.generate import ContextError, check_request
+from ..runtime.generate import ContextError
 from .text import TextStream
 from .jobs import Done, PromptLogprobs, Token, top_logprobs
 
@@ -165,8 +165,7 @@ class Scheduler:
             if job is None:
                 break
             seq = None
-            try:
-                check_request(self.engine.dims, job.prompt, max(job.max_tokens, 1), self.engine.context)
+            try:   # the request was checked when it came in (serve/context.fit: one scan of its ids, not two)
                 seq = self.batch.open(job.prompt, len(job.prompt) + max(job.max_tokens, 1) - 1)
                 if job.prompt_logprobs is not None:   # every prompt row's logits are wanted: recompute a
                     seq.lease.reused = seq.pos = 0     # reused prefix (its K/V rows come out bitwise the same)
