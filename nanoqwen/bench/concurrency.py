@@ -157,7 +157,7 @@ def run(path, tok_dir, backend: str, prompt_len: int, gen: int, log, tmp) -> dic
     """The table on `nanoqwen serve` of ``path``; (b)'s server-side TTFT is its /metrics histogram's."""
     from ..nqfile import NanoqwenFile
     from ..serve.launch import ServerProcess
-    from .serve import server_ttft
+    from .server_ttft import server_ttft
     context = prompt_len + max(gen, LOAD_TOKENS)
     top = max(LEVELS)
     flags = f"--max-running {top} --max-queue {top}"

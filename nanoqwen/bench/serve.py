@@ -42,7 +42,7 @@ from .. import config
 from ..nqfile import NanoqwenFile
 from . import protocol
 from .kernels import git_commit
-from .server_ttft import ServerTTFT
+from .server_ttft import ServerTTFT, server_ttft
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,6 @@ def engine_rate(backend: str, path: Path, context: int, prompts: list[list[int]]
         return rates
     finally:
         engine.close()
-
-
-def server_ttft(srv, client: httpx.Client, prompt: list[int]) -> dict:
-    """One non-streamed request of one token: server-side TTFT, client wall time."""
-    with ServerTTFT(srv) as server:
-        t0 = time.perf_counter()
-        r = client.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
-        wall = time.perf_counter() - t0
-        r.raise_for_status()
-    return {"server_ms": server.ms, "client_ms": 1e3 * wall,
-            "cached_tokens": r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
 
 def warm_up(srv, client: httpx.Client, prompt: list[int]) -> None:
