@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp for the same-run comparison (nanoqwen/bench/llamacpp.py), built on this machine for the GPU machine
 # (sm_90 machine code only, CUDA 13) into .llama/ (git-ignored): llama-server, llama-bench and their libraries.
-# Name .llama in the device call's carry. About an hour on 2 cores; a second run reuses the build folder.
+# The device call carries .llama.tar.xz (24 MB; the folder is 59 MB, and a call carries 64 MiB in all), which
+# tools/gpu_check.sh unpacks. About an hour on 2 cores; a second run reuses the build folder.
 #   source   the llama.cpp that the sdist of llama-cpp-python 0.3.36 (PyPI) vendors: commit 0c1e570 (2026-10-01)
 #   cuBLAS   headers and library from NVIDIA's nvidia-cublas 13.0 wheel, put into the toolkit (as its cuBLAS
 #            package would be) to link against; at run time the binaries take the GPU machine's own cuBLAS
@@ -57,4 +58,5 @@ for f in "$src"/build/bin/*; do   # each file once, under the name the loader as
 done
 cp -L "$(cc -print-file-name=libgomp.so.1)" .llama/   # the CPU backend's OpenMP, found through $ORIGIN
 strip --strip-unneeded .llama/*
-du -sh .llama
+tar -cJf .llama.tar.xz .llama
+du -sh .llama .llama.tar.xz

@@ -31,8 +31,8 @@
 #                      decode; concurrency.json; needs the wheels as GPU_CHECK_SERVE)
 #   GPU_CHECK_LLAMA    1 runs llama.cpp on the same GPU (bench/llamacpp.py: llama-bench's pp512 and tg128 at depths
 #                      512 / 4096 / 16384, llama-server's concurrency table at -np 8; llamacpp.json) on the
-#                      synthetic 7B at Q4_K_M; needs .llama/ (tools/build_llama.sh; name .llama in carry) and the
-#                      gguf wheel from .whl/
+#                      synthetic 7B at Q4_K_M; needs .llama.tar.xz (tools/build_llama.sh; name it in carry), which
+#                      is unpacked into .llama/, and the gguf wheel from .whl/
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json)
@@ -62,6 +62,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" >/dev/null; then   # the server stack, carried as wheels (the machine has no registry)
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if [ -f .llama.tar.xz ] && [ ! -d .llama ]; then   # llama.cpp's build, carried packed (bench/llamacpp.py)
+    tar -xJf .llama.tar.xz
 fi
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
 export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built

@@ -14,9 +14,10 @@ own Q4_K_M type; 4.68 GB, the size of the real model's Q4_K_M file):
       warm-ups) against llama-server with one slot, as an editor's server runs: the time at the client, the
       prompt processing and the tokens it reused (``timings.cache_n``).
 
-The binaries come from tools/build_llama.sh (a pinned llama.cpp built for sm_90 into .llama/, git-ignored:
-name .llama in the device call's carry) or from the folder $NANOQWEN_LLAMA_CPP. They take cuBLAS and the
-CUDA runtime from the running Python's NVIDIA wheels (torch's, on the GPU machine)."""
+The binaries come from tools/build_llama.sh (a pinned llama.cpp built for sm_90 into .llama/, git-ignored, and
+packed into .llama.tar.xz for the device call's carry, which tools/gpu_check.sh unpacks) or from the folder
+$NANOQWEN_LLAMA_CPP. They take cuBLAS and the CUDA runtime from the running Python's NVIDIA wheels (torch's,
+on the GPU machine)."""
 
 from __future__ import annotations
 
