@@ -6,7 +6,9 @@
 #   source   the llama.cpp that the sdist of llama-cpp-python 0.3.36 (PyPI) vendors: commit 0c1e570 (2026-10-01)
 #   cuBLAS   headers and library from NVIDIA's nvidia-cublas 13.0 wheel, put into the toolkit (as its cuBLAS
 #            package would be) to link against; at run time the binaries take the GPU machine's own cuBLAS
-#   libcuda  a stub with the driver's soname: the driver exists only on the GPU machine
+#   libcuda  a stub with the driver's soname: the driver exists only on the GPU machine. The backends link with
+#            --no-as-needed so that the stub, which defines nothing, stays a dependency: the driver's symbols
+#            (cuMemCreate, ...) resolve through it when the CUDA backend is loaded there
 # The CUDA backend is a loadable module (GGML_BACKEND_DL): where it cannot load (no driver, as here) the same
 # binaries run on the CPU backend, which is how tests/test_bench_llamacpp.py runs llama-server here.
 # Needs nvcc 13 in $CUDA_HOME (default /usr/local/cuda), cmake, ninja and a C++ compiler.
@@ -47,8 +49,11 @@ cmake -S "$src" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$ORIGIN' -DGGML_NATIVE=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc" \
-    -DCMAKE_SHARED_LINKER_FLAGS="-static-libstdc++ -static-libgcc" >/dev/null
+    -DCMAKE_SHARED_LINKER_FLAGS="-static-libstdc++ -static-libgcc" \
+    -DCMAKE_MODULE_LINKER_FLAGS="-static-libstdc++ -static-libgcc -Wl,--no-as-needed" >/dev/null
 ninja -C "$src/build" -j "$(nproc)" llama-server llama-bench ggml-cuda ggml-cpu
+readelf -d "$src/build/bin/libggml-cuda.so" | grep -q 'NEEDED.*libcuda\.so\.1' \
+    || { echo "build_llama: libggml-cuda.so does not depend on libcuda.so.1: it would not load" >&2; exit 1; }
 
 rm -rf .llama && mkdir .llama
 for f in "$src"/build/bin/*; do   # each file once, under the name the loader asks for (its soname): no links

@@ -100,6 +100,15 @@ def model_path(log) -> Path:
     return path
 
 
+def cuda_devices() -> list[str]:
+    """The CUDA devices llama.cpp sees (`llama-bench --list-devices`). None where its CUDA backend did not
+    load (no driver, a library missing): llama.cpp then runs on the CPU without a word, hours for the 7B."""
+    out = subprocess.run([str(binary("llama-bench")), "--list-devices"], env=environment(), capture_output=True,
+                         text=True, timeout=120)
+    listed = out.stdout.split("Available devices:", 1)[-1].splitlines()
+    return [line.strip() for line in listed if line.strip().startswith("CUDA")]
+
+
 def llama_bench(model: Path, *args: str) -> list[dict]:
     """llama-bench's JSON records of one run."""
     out = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-ngl", "99", "-fa", "1",
@@ -168,6 +177,11 @@ def editor(model: Path, vocab: int, log, tmp: Path, reps: int = 10, sizes: Edito
 def run(log=None) -> dict:
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     gpu = protocol.gpu_info("cuda")   # no device: one clear error before gigabytes are written
+    devices = cuda_devices()
+    if not devices:
+        raise NanoqwenError("llama.cpp sees no CUDA device (its CUDA backend did not load: run "
+                            f"`{binary('llama-bench')} --list-devices` for the loader's message)")
+    log(f"llama.cpp sees {devices[0]}")
     model = model_path(log)
     log("llama-bench: pp512, tg128 at depths " + ", ".join(map(str, DEPTHS)))
     res = {"kind": "nanoqwen-bench-llamacpp", "schema": 1,
