@@ -5,8 +5,11 @@ cores); on the GPU machine tools/gpu_check.sh runs the benchmark itself (GPU_CHE
 
 from __future__ import annotations
 
+import ctypes.util
+
 import pytest
 
+from nanoqwen import NanoqwenError
 from nanoqwen.bench import concurrency, gguf, llamacpp
 from nanoqwen.bench.serve import Editor
 from nanoqwen.dims import ModelDims
@@ -41,3 +44,14 @@ def test_editor_requests_on_llama_server(model, tmp_path):
     assert res["ttft_after_warm_up"]["cached_tokens"] == [sizes.long - sizes.tail] * 2
     for case in ("ttft_cold", "ttft_rerequest", "ttft_after_warm_up", "ttft_warm_up_between_keystrokes"):
         assert 0 < res[case]["prompt_ms"]["median"] <= res[case]["client_ms"]["median"]
+
+
+def test_no_cuda_backend_is_one_error_before_the_model_is_written(monkeypatch, tmp_path):
+    # here the CUDA module cannot load (no driver): llama.cpp would run the 7B on the CPU for hours
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver library is installed here")
+    assert llamacpp.cuda_devices() == []
+    monkeypatch.setattr(llamacpp.protocol, "gpu_info", lambda backend: {"name": "stand-in"})
+    monkeypatch.setattr(llamacpp, "model_path", lambda log: pytest.fail("the GGUF must not be written"))
+    with pytest.raises(NanoqwenError, match="llama.cpp sees no CUDA device"):
+        llamacpp.run(log=print)
