@@ -43,12 +43,12 @@ from ..paths import PACKAGE_DIR
 from ..serve.launch import ChildServer
 from . import concurrency, gguf, protocol
 from .kernels import git_commit
-from .serve import Editor, editor_cases, ttft_summary
+from .serve import GEN_TOKENS, Editor, editor_cases, ttft_summary
 
 PARALLEL = 8                      # llama-server's slots (-np), as issue 24 names
 PROMPT = 512                      # (a)'s prompt and (b)'s
 DEPTHS = (512, 4096, 16384)       # (a)'s decode contexts
-GEN = 128
+GEN = 128                         # (a)'s decode tokens, and the editor's room to generate
 REPETITIONS = 5
 
 
@@ -139,7 +139,8 @@ def timed(url: str, client, prompt: list[int]) -> dict:
     return {"prompt_ms": t["prompt_ms"], "client_ms": 1e3 * wall, "cached_tokens": t["cache_n"]}
 
 
-def clients_at_once(model: Path, vocab: int, log, tmp: Path, prompt_len: int = PROMPT, gen: int = GEN) -> dict:
+def clients_at_once(model: Path, vocab: int, log, tmp: Path, prompt_len: int = PROMPT,
+                    gen: int = GEN_TOKENS) -> dict:
     """(b) on one llama-server process."""
     context = prompt_len + max(gen, concurrency.LOAD_TOKENS)
     flags = f"-np {PARALLEL} -c {PARALLEL * context}"   # each slot's context is -c / -np

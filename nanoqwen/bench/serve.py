@@ -59,6 +59,8 @@ class Editor:
             raise ValueError(f"prompt sizes need cold, tail, extra >= 1 and extra + tail <= long, got {self}")
 
 
+GEN_TOKENS = 256   # tokens each streamed request asks for (bench/llamacpp.py streams as many)
+
 # issue 21's targets (server-side ms unless named): the re-request, at the client too, the completion after
 # a warm-up, and the cold 512 prompt no slower than at 6a83e33
 TARGETS = {"ttft_cached_ms": 3.0, "ttft_cached_client_ms": 4.0, "ttft_warmed_ms": 3.0, "ttft_cold_ms": 30.4,
@@ -158,7 +160,7 @@ def editor_cases(ttft, warm_up, rand, sizes: Editor, reps: int, vocab: int) -> d
             "ttft_warm_up_between_keystrokes": between}
 
 
-def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda", log=None,
+def run(reps: int = 10, gen: int = GEN_TOKENS, model: str = "7b", backend: str = "cuda", log=None,
         sizes: Editor = Editor()) -> dict:
     """``model``/``backend`` other than the synthetic 7B on cuda only serve to try the script elsewhere."""
     from ..serve.launch import ServerProcess
@@ -215,7 +217,7 @@ def run(reps: int = 10, gen: int = 256, model: str = "7b", backend: str = "cuda"
                       "stream_vs_engine": ratio >= TARGETS["stream_vs_engine"]}}
 
 
-def run_concurrency(prompt_len: int = Editor.cold, gen: int = 128, model: str = "7b", backend: str = "cuda",
+def run_concurrency(prompt_len: int = Editor.cold, gen: int = GEN_TOKENS, model: str = "7b", backend: str = "cuda",
                     log=None) -> dict:
     """bench/concurrency.py's table on one server process."""
     from . import concurrency
@@ -235,7 +237,7 @@ def run_concurrency(prompt_len: int = Editor.cold, gen: int = 128, model: str = 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--repetitions", type=int, default=10, metavar="N")
-    p.add_argument("--gen-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--gen-tokens", type=int, default=GEN_TOKENS, metavar="N")
     p.add_argument("--model", default="7b", help="7b (synthetic, the default), a .nanoqwen file or a HF directory")
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--json", type=Path, help="write the results here")
