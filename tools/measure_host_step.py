@@ -18,14 +18,12 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 from nanoqwen import testmodels, tokenizer
 from nanoqwen.runtime.batch import PagesShort, Rows, Sequence
 from nanoqwen.runtime.prefix_cache import PrefixCache
-from nanoqwen.serve.launch import read_metric
+from nanoqwen.serve.launch import ChildServer
 
 
 class Instant:
@@ -95,27 +93,16 @@ def serve(streams: int, context: int, step_s: float) -> None:
 @contextmanager
 def stand_in(streams: int, tokens: int, step_ms: float):
     """The stand-in server in a process of its own (``serve``: ``streams`` at once, 4 x ``tokens`` of
-    context, a step that waits ``step_ms``), ready: its ``url`` and ``metric(name)``, as a ServerProcess has."""
-    import subprocess
-    import httpx
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
-                             "--tokens", str(tokens), "--step-ms", str(step_ms)], stdout=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the stand-in server did not start")
-            time.sleep(0.05)
-        yield SimpleNamespace(url=url, metric=partial(read_metric, url))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    context, a step that waits ``step_ms``), ready: a ChildServer (its ``url`` and ``metric(name)``)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ChildServer([sys.executable, __file__, "--serve", "--streams", str(streams), "--tokens", str(tokens),
+                           "--step-ms", str(step_ms)], name="stand-in server", log_dir=Path(tmp),
+                          bound=r"^(\d+)$", timeout=60)   # ``serve`` prints its port alone on a line
+        try:
+            yield srv
+        finally:
+            srv.close()
 
 
 def measure(streams: int, tokens: int, step_ms: float) -> dict:

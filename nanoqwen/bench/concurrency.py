@@ -165,11 +165,8 @@ def run(path, tok_dir, backend: str, prompt_len: int, gen: int, log, tmp) -> dic
                         "--kv-tokens", str((top + 1) * context), backend=backend, log_dir=tmp, timeout=900)
     try:
         running = int(re.search(r"up to (\d+) sequences at once", srv.output())[1])   # 1: no batching
-
-        def probe(client, prompt):
-            t = server_ttft(srv, client, prompt)
-            return {"server_ms": t["server_ms"], "client_ms": t["client_ms"]}
-        res = measure(srv.url, NanoqwenFile(path).dims.vocab, prompt_len, gen, running, probe, log)
+        res = measure(srv.url, NanoqwenFile(path).dims.vocab, prompt_len, gen, running,
+                      lambda client, prompt: server_ttft(srv, client, prompt), log)
     finally:
         srv.close()
     return res | {"protocol": protocol_fields(prompt_len, gen, context, flags)}

@@ -164,7 +164,7 @@ def editor(model: Path, vocab: int, log, tmp: Path, reps: int = 10, sizes: Edito
     try:
         with httpx.Client(timeout=300) as client:   # one kept-alive connection, as an editor keeps
 
-            def warm_up(prompt):
+            def warm_up(prompt):   # not serve.warm_up: llama-server answers max_tokens 0 with one token
                 client.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0}).raise_for_status()
             timed(srv.url, client, rand(sizes.cold))   # the first request through every path
             cases = editor_cases(lambda p: timed(srv.url, client, p), warm_up, rand, sizes, reps, vocab)
