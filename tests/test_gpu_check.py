@@ -1,6 +1,7 @@
 """tools/gpu_check.sh's test lanes, run here with a stand-in interpreter (no GPU, no compile): a file named in
 GPU_CHECK_PARALLEL_TESTS runs beside the others, the timing-checked files only after both lanes, every
-file's log lands in pytest.log, and a failure in either lane fails the check."""
+file's log lands in pytest.log, and a failure in any lane fails the check; lanes separated by ";" run side
+by side."""
 
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ SLOW, OTHERS, TIMING = ("tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "t
                         "tests/gpu/test_bench.py")
 
 
-def _run(tmp_path: Path, fail: str = "") -> tuple[int, dict, str]:
+def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW) -> tuple[int, dict, str]:
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PY)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     runs, out = tmp_path / "runs.txt", tmp_path / "out"
     env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(runs), SLOW_FILE=SLOW, FAIL_FILE=fail,
                GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
-               GPU_CHECK_PARALLEL_TESTS=SLOW, PATH=f"{tmp_path}:{os.environ['PATH']}")
+               GPU_CHECK_PARALLEL_TESTS=lanes, PATH=f"{tmp_path}:{os.environ['PATH']}")
     rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
                         timeout=120).returncode
     times = {}
@@ -63,3 +64,13 @@ def test_the_parallel_lane_overlaps_and_the_timing_files_wait(tmp_path):
 def test_a_failure_in_either_lane_fails_the_check(tmp_path, fail):
     rc, t, _ = _run(tmp_path, fail=fail)
     assert rc == 1 and set(t) == {SLOW, TIMING, *OTHERS}   # and the other files still ran
+
+
+@pytest.mark.parametrize("fail", ["", OTHERS[0]])
+def test_lanes_run_side_by_side(tmp_path, fail):
+    """Two lanes and the rest: all three overlap, the timing file waits for all, a failure in one fails."""
+    rc, t, log = _run(tmp_path, fail=fail, lanes=f"{SLOW}; {OTHERS[0]}")
+    assert rc == (1 if fail else 0) and set(t) == {SLOW, TIMING, *OTHERS}
+    assert all(t[f]["start"] < t[SLOW]["end"] for f in OTHERS)
+    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
+    assert all(f"({f})" in log for f in t)

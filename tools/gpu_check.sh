@@ -5,9 +5,10 @@
 # (the device tool's output folder; /tmp/nanoqwen-gpu-check otherwise), at most 8 files.
 # Runs from the source tree with the machine's python3 (no installs): PYTHONPATH=.
 #   GPU_CHECK_TESTS    test files, space-separated (default: every tests/gpu/test_*.py; "none" skips)
-#   GPU_CHECK_PARALLEL_TESTS test files run in a second lane beside the others (e.g. tests/gpu/test_gemv.py, whose
-#                      ~260 s are mostly numpy on the host: the whole suite then fits one call); the files whose
-#                      tests compare times (TIMING_TESTS) wait until both lanes are done
+#   GPU_CHECK_PARALLEL_TESTS test files run in lanes beside the others, lanes separated by ";" (e.g.
+#                      "tests/gpu/test_gemv.py; tests/gpu/test_gemm.py tests/gpu/test_decode.py": test_gemv's ~260 s
+#                      are mostly numpy on the host, so the whole suite and the gate's A/B fit one call); the files
+#                      whose tests compare times (TIMING_TESTS) wait until every lane is done
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
@@ -104,22 +105,27 @@ test_files() {  # test_files PYTEST_LOG FILE...: one pytest process a file, its 
 }
 if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     files=(${GPU_CHECK_TESTS:-tests/gpu/test_*.py})
-    lane=() serial=() rest=()
+    IFS=';' read -ra lanes <<< "${GPU_CHECK_PARALLEL_TESTS:-}"
+    laned=" ${GPU_CHECK_PARALLEL_TESTS//;/ } " serial=() rest=()
     for f in "${files[@]}"; do
-        if [[ " ${GPU_CHECK_PARALLEL_TESTS:-} " == *" $f "* ]]; then lane+=("$f")
+        if [[ "$laned" == *" $f "* ]]; then :
         elif [ -n "${GPU_CHECK_PARALLEL_TESTS:-}" ] && [[ " $TIMING_TESTS " == *" $f "* ]]; then serial+=("$f")
         else rest+=("$f"); fi
     done
-    if [ ${#lane[@]} -gt 0 ]; then   # a second lane beside the others; the timing-checked files after both
-        lane_log=$(mktemp)
-        test_files "$lane_log" "${lane[@]}" &
-        lane_pid=$!
-    fi
+    pids=() logs=()
+    for l in "${lanes[@]}"; do   # each lane beside the others; the timing-checked files after all of them
+        mine=()
+        for f in $l; do [[ " ${files[*]} " == *" $f "* ]] && mine+=("$f"); done
+        [ ${#mine[@]} -gt 0 ] || continue
+        logs+=("$(mktemp)")
+        test_files "${logs[-1]}" "${mine[@]}" &
+        pids+=($!)
+    done
     test_files "$OUT/pytest.log" "${rest[@]}"
-    if [ ${#lane[@]} -gt 0 ]; then
-        wait "$lane_pid" || status=1
-        cat "$lane_log" >> "$OUT/pytest.log" && rm -f "$lane_log"
-    fi
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || status=1
+        cat "${logs[$i]}" >> "$OUT/pytest.log" && rm -f "${logs[$i]}"
+    done
     test_files "$OUT/pytest.log" "${serial[@]}"
 fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
