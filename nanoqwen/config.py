@@ -64,6 +64,7 @@ class LmHead:
 
 @dataclass(frozen=True)
 class GemvTile:
+    mma: bool
     rows: int
     lanes: int
     warps: int

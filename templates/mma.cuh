@@ -72,6 +72,14 @@ NQ_DEVICE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d = a . b (C = 0: the first MMA of a chain, no zeroed registers).
+NQ_DEVICE void mma_16816_first(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
 // ---- INT4 (ValueShuffle) -> fp16 B fragments -------------------------------------------------------------
 // A packed word holds inputs 8j..8j+7 with lane k at bit [0,16,4,20,8,24,12,28][k]: shifting right by
 // 4p puts lanes (2p, 2p+1) at bits 0 and 16, where int4.cuh's magic-number unpack (one LOP3 + one HADD2,

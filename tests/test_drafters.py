@@ -1,4 +1,4 @@
-"""Prompt lookup drafting (runtime/drafters.py): the indexed search proposes exactly what a brute-force
+"""Prompt lookup drafting (runtime/drafters.py): the vectorized scan proposes exactly what a brute-force
 scan of the sequence proposes, k adapts to acceptance within its bounds, bad settings are one clear error;
 with measured step costs the draft length is the one of the best expected rate."""
 

@@ -19,7 +19,7 @@ from nanoqwen import NanoqwenError
 from nanoqwen.backends import ReferenceEngine, open_engine
 from nanoqwen.reference import Reference
 from nanoqwen.runtime.generate import ContextError
-from nanoqwen.runtime.prefix_cache import common_prefix
+from nanoqwen.runtime.token_trie import common_prefix
 from nanoqwen.runtime.sampler import Sampling
 
 CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -47,11 +47,14 @@ def test_reuse_matches_cold_prefill_and_counts(small_py):
     assert g2 == cold(path, p2, 8)
     # the same prompt again: all but its last token
     assert list(e.generate(p2, 8)) == g2 and e.cached_tokens == len(p2) - 1
-    # an edit in the middle: reuse up to the edit, mid-page
-    p3 = p2[:13] + tok.encode("  # edited\n") + p2[13:]
+    # an edit in the middle of the prompt, mid-page: the full pages before it are shared
+    page = e.cache.page_size
+    p3 = p2[:page + 5] + tok.encode("  # edited\n") + p2[page + 5:]
     g3 = list(e.generate(p3, 6))
-    assert e.cached_tokens == 13 + (tok.encode("  # edited\n")[0] == p2[13])
+    assert e.cached_tokens == page
     assert g3 == cold(path, p3, 6)
+    # and the unedited sequence stayed kept beside it
+    assert list(e.generate(p2, 8)) == g2 and e.cached_tokens == len(p2) - 1
 
 
 def test_closing_early_keeps_only_computed_positions(small_py):

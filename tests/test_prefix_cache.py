@@ -1,6 +1,7 @@
 """The prefix-reuse policy both engines share (runtime/prefix_cache.py), on the CPU: longest-common-prefix
-matching capped at P - 1, taking a kept sequence over, LRU eviction when pages run short, and page
-accounting that never loses or duplicates a page (hypothesis drives random request streams)."""
+matching capped at P - 1, taking a kept sequence over or sharing its full pages, LRU eviction when pages run
+short, and page accounting that never loses a page, never frees a held one and never lets a request write a
+page another sequence holds (hypothesis drives random request streams over simulated page contents)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 
 from nanoqwen import NanoqwenError
 from nanoqwen.runtime.paged_kv import KVCacheError
-from nanoqwen.runtime.prefix_cache import PrefixCache, common_prefix
+from nanoqwen.runtime.prefix_cache import PrefixCache
+from nanoqwen.runtime.token_trie import common_prefix
 
 PAGE = 4
 
@@ -33,17 +35,56 @@ def test_fresh_request_takes_pages_and_keeps_its_tokens():
     assert k.tokens == [1, 2, 3, 4, 5, 6] and k.pages == lease.pages[:2] and c.pool.free == 8
 
 
-def test_reuse_takes_the_longest_prefix_over():
+def test_a_request_that_agrees_with_the_whole_prompt_takes_the_sequence_over():
     c = PrefixCache(num_pages=20, page_size=PAGE)
     for toks in ([1, 2, 3, 4, 5, 6, 7], [8, 2, 9, 9], [5, 5, 5]):
         lease = c.start(toks, len(toks) + 2)
-        c.keep(lease, toks, payload=tuple(toks))
+        c.keep(lease, toks + [10], payload=tuple(toks))   # the prompt and one generated token
     a_pages = c.kept[0].pages
-    lease = c.start([1, 2, 3, 4, 5, 0, 0, 0, 0, 0], total=12)
-    assert lease.reused == 5 and lease.payload == (1, 2, 3, 4, 5, 6, 7)
+    lease = c.start([1, 2, 3, 4, 5, 6, 7, 0, 0, 0], total=12)   # the next turn: a's prompt, then its own
+    assert lease.reused == 7 and lease.payload == (1, 2, 3, 4, 5, 6, 7)
     assert lease.pages[:2] == a_pages, "the continued sequence's pages stay where they are"
     assert len(lease.pages) == 3 and len(c.kept) == 2, "the continued sequence left the kept set"
     assert not set(lease.pages) & set(pages_of(c))
+
+
+def test_a_request_that_parts_inside_the_prompt_shares_full_pages():
+    """An edit inside a kept prompt, or a prompt that is a prefix of it (a warm-up of the context before a
+    file): the request shares the kept sequence's full pages below the common prefix, recomputes from that
+    page boundary, and the kept sequence stays, whole and most recent."""
+    c = PrefixCache(num_pages=20, page_size=PAGE)
+    file = list(range(1, 12))
+    c.keep(c.start(file, 14), file + [50])
+    c.keep(c.start([7, 7], 4), [7, 7])
+    (fkey, f), _ = c.kept.items()
+    lease = c.start(file[:6] + [0, 0], total=10)          # parts at 6: one full page shared
+    assert lease.reused == 4 and lease.pages[0] == f.pages[0] and lease.payload is f.payload
+    assert list(c.kept) == [1, fkey] and c.kept[fkey].pages == f.pages and c.kept[fkey].tokens == file + [50]
+    assert set(lease.pages[1:]).isdisjoint(f.pages)
+    c.keep(lease, [])                                     # the shared page stays: f holds it
+    assert c.leased[f.pages[0]] == 0 and c.kept_by[f.pages[0]] == 1
+    warm = c.start(file[:9], total=9)                     # a prefix of f's prompt: shares 8 positions
+    assert warm.reused == 8 and warm.pages[:2] == f.pages[:2]
+    c.keep(warm, file[:9])
+    again = c.start(file[:10] + [99], total=12)           # the next keystroke finds the file whole
+    assert again.reused == 8 and again.pages[:2] == f.pages[:2], "parts inside f's prompt: shares f again"
+    assert c.match(file[:10] + [99]) == (fkey, 10)
+
+
+def test_pages_shared_with_running_requests_survive_eviction():
+    c = PrefixCache(num_pages=6, page_size=PAGE)
+    c.keep(c.start(list(range(12)), 12), list(range(12)))   # 3 pages
+    a = c.start(list(range(8)) + [90], total=9)             # shares 2, takes 1
+    b = c.start(list(range(4)) + [91], total=5)             # shares 1, takes 1
+    assert (a.reused, b.reused) == (8, 4) and a.pages[0] == b.pages[0]
+    assert c.usage() == (4, 1, 6)                           # running: 2 shared + 2 fresh; kept alone: 1
+    assert c.can_start(8) and not c.can_start(9)            # 1 free + the one page only the kept sequence holds
+    c.clear()                                               # frees that page alone
+    assert c.pool.free == 2
+    c.keep(b, [])
+    assert c.pool.free == 3 and c.leased[a.pages[0]] == 1
+    c.keep(a, list(range(8)) + [90])
+    assert c.usage() == (0, 3, 6) and c.pool.free == 3
 
 
 def test_reuse_is_capped_so_the_last_prompt_token_runs():
@@ -73,8 +114,8 @@ def test_lru_eviction_when_pages_run_short():
     lease = c.start([40, 41, 42], total=7)              # 2 pages: evicts the oldest (10...)
     assert [k.tokens[0] for k in c.kept.values()] == [20, 30]
     c.keep(lease, [40, 41, 42])
-    lease = c.start([20, 21, 22, 99], total=4)          # continues 20...: it becomes the most recent
-    c.keep(lease, [20, 21, 22, 99])
+    lease = c.start([20 + i for i in range(8)] + [99], total=9)   # continues 20...: the most recent
+    c.keep(lease, [20 + i for i in range(8)] + [99])
     assert [k.tokens[0] for k in c.kept.values()] == [30, 40, 20]
     c.start([50] * 5, total=24)                         # needs the whole pool: everything else goes
     assert not c.kept and c.pool.free == 0
@@ -97,7 +138,10 @@ def test_keeping_nothing_frees_everything():
     assert not c.kept and c.pool.free == 4
 
 
-requests = st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=12),   # prompt
+DOCS = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3], [1, 2, 3, 1, 0, 0, 0, 0, 2, 2, 2, 2])   # prompts part in them
+prompts = st.builds(lambda doc, cut, tail: (DOCS[doc][:cut] + tail) or [0],
+                    st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(0, 3), max_size=4))
+requests = st.lists(st.tuples(prompts,
                               st.integers(1, 6),                                        # new tokens
                               st.integers(0, 7)),                                       # tokens generated
                     min_size=1, max_size=25)
@@ -105,30 +149,47 @@ requests = st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=1
 
 @given(requests, st.integers(4, 8))
 def test_random_streams_conserve_pages_and_reuse_only_true_prefixes(reqs, num_pages):
-    """Every page is in exactly one place (free, kept, or the running request); a reused prefix is a
-    prefix of both the prompt and what the continued sequence held, at most P - 1; kept sequences fit
-    their pages."""
+    """Page contents are simulated (each slot holds the token written there): a request reads what it
+    reuses from its pages and finds its prompt's tokens, writes only pages no one else holds, and every
+    kept sequence still finds its own tokens in its pages after any stream of requests. Each page's
+    holders are counted right, and a page is free exactly when it has none."""
     c = PrefixCache(num_pages, PAGE)
+    slots: dict[tuple[int, int], int] = {}   # (page, slot) -> token written there
+
+    def read(pages, n):
+        return [slots.get((pages[i // PAGE], i % PAGE)) for i in range(n)]
+
     for prompt, new, produced in reqs:
         total = len(prompt) + new - 1
         if c.pages_for(total) > num_pages:
             continue
         before = {key: list(k.tokens) for key, k in c.kept.items()}
         key, L = c.match(prompt)
+        order = list(before)   # least recently used first: the most recent of the longest wins
+        n, i = max(((common_prefix(before[k], prompt), i) for i, k in enumerate(order)), default=(0, -1))
+        assert key == (order[i] if n and len(prompt) > 1 else None)
         lease = c.start(prompt, total)
-        assert lease.reused == L <= len(prompt) - 1
-        if key is not None:
+        assert lease.reused <= L <= len(prompt) - 1 and L - lease.reused < PAGE
+        assert L == max([min(common_prefix(t, prompt), len(prompt) - 1) for t in before.values()] + [0])
+        if key is not None and lease.reused:
             held = before[key]
             assert held[:L] == prompt[:L] and L == min(common_prefix(held, prompt), len(prompt) - 1)
-        assert all(common_prefix(t, prompt) <= L or len(prompt) - 1 <= L for t in before.values())
+        assert read(lease.pages, lease.reused) == prompt[:lease.reused], "reused positions hold the prompt"
         assert len(lease.pages) == c.pages_for(total)
-        everything = lease.pages + pages_of(c) + c.pool._free
-        assert sorted(everything) == list(range(num_pages))
+        for p in lease.pages[lease.reused // PAGE:]:
+            assert c.leased[p] == 1 and c.kept_by[p] == 0, "a request writes a page another holds"
         written = prompt + [9] * min(produced, new - 1)
+        for i in range(lease.reused, len(written)):
+            slots[lease.pages[i // PAGE], i % PAGE] = written[i]
         c.keep(lease, written)
         for k in c.kept.values():
             assert len(k.pages) == c.pages_for(len(k.tokens))
-        assert sorted(pages_of(c) + c.pool._free) == list(range(num_pages))
+            assert read(k.pages, len(k.tokens)) == k.tokens, "a kept sequence's K/V was overwritten"
+        held = [p for k in c.kept.values() for p in k.pages]
+        assert all(c.kept_by[p] == held.count(p) and not c.leased[p] for p in range(num_pages))
+        assert sorted(set(held) | set(c.pool._free)) == list(range(num_pages))
+        assert not set(held) & set(c.pool._free) and len(set(c.pool._free)) == c.pool.free
+        assert c.usage() == (0, len(set(held)), num_pages)
 
 
 def test_pages_held_by_a_running_request_are_not_handed_out():

@@ -2,7 +2,9 @@
 llama.vim's cache warm-up (/infill with n_predict 0 and only input_extra) prefills and keeps the context
 that the next completion then reuses; /v1/completions with max_tokens 0 does the same; /infill reports
 llama-server's timings and tokens_cached and honours response_fields; the prefix cache keeps several
-sequences, so an unrelated request in between does not evict the file being edited."""
+sequences, so neither a warm-up nor an unrelated request in between evicts the file being edited. A
+request that parts from a kept prompt shares its full pages (runtime/prefix_cache.py): the reused count is
+the common prefix down to a page boundary."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import httpx
 import pytest
 
 from _serve_util import greedy, model_and_cache, open_local, server as start_server
-from nanoqwen.runtime.prefix_cache import common_prefix
+from nanoqwen import config
+from nanoqwen.runtime.token_trie import common_prefix
 from nanoqwen.serve import prompts
+
+PAGE = config.default().kv_cache.page_size
 
 EXTRA = [{"filename": "util.py", "text": "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n" * 4},
          {"filename": "consts.py", "text": "LIMIT = 10\nNAME = 'demo'\n"}]
@@ -47,6 +52,12 @@ def infill_ids(tok, prefix="", suffix=""):
     return prompts.repo_fim(tok, [(f["filename"], f["text"]) for f in EXTRA], prefix, suffix)
 
 
+def shared(a, b) -> int:
+    """Positions a request of ``b`` reuses from a kept prompt ``a`` it parts from: whole pages."""
+    n = common_prefix(a, b)
+    return n - n % PAGE
+
+
 def test_warmup_prefills_and_the_completion_reuses_it(server, local):
     engine, tok, stop = local
     warm = post(server, "/infill", {"input_extra": EXTRA, "n_predict": 0})
@@ -58,7 +69,7 @@ def test_warmup_prefills_and_the_completion_reuses_it(server, local):
 
     ids = infill_ids(tok, PREFIX, SUFFIX)
     r = post(server, "/infill", {"input_extra": EXTRA, "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 5})
-    assert r["tokens_cached"] == common_prefix(warm_ids, ids) > len(ids) // 2   # the warmed context
+    assert r["tokens_cached"] == shared(warm_ids, ids) > len(ids) // 2   # the warmed context
     assert r["timings"]["prompt_n"] == len(ids) - r["tokens_cached"] and r["tokens_evaluated"] == len(ids)
     want = greedy(engine, stop, ids, 5)
     assert r["content"] == tok.decode([x for x in want if x not in stop])
@@ -91,15 +102,17 @@ def test_completion_max_tokens_zero_keeps_the_prompt(server, local):
 
 
 def test_prefix_cache_keeps_several_sequences(server, local):
-    """The file being edited, then an unrelated chat, then the file again one keystroke later: the file's
-    sequence was kept beside the chat's (LRU within the pool), so the re-request reuses all but its tail."""
+    """The file being edited, then llama.vim's warm-up of the same extra context, an unrelated chat and a
+    completion, then the file again one keystroke later: the warm-up shared the file's pages and the
+    file's sequence was kept beside the others (LRU within the pool), so the re-request reuses the file."""
     _engine, tok, _stop = local
     body = {"input_extra": EXTRA, "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 3}
     post(server, "/infill", body)
+    post(server, "/infill", {"input_extra": EXTRA, "n_predict": 0})
     post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "what is a monad?"}],
                                           "max_tokens": 3})
     post(server, "/v1/completions", {"prompt": "import numpy as np\n", "max_tokens": 3})
     r = post(server, "/infill", body | {"input_prefix": PREFIX + "x"})
     first, again = infill_ids(tok, PREFIX, SUFFIX), infill_ids(tok, PREFIX + "x", SUFFIX)
-    assert r["tokens_cached"] == common_prefix(first, again) > len(EXTRA[0]["text"]) // 8
+    assert r["tokens_cached"] == shared(first, again) > common_prefix(infill_ids(tok), again)
 

@@ -27,8 +27,8 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
     for spec in cands:
         spec.validate()
         assert (spec.n, spec.k) == gemv.role_shape(role, QWEN25_7B)
-    if role in ("qkv", "gate_up"):   # split-K is ruled out for non-residual epilogues before compiling
-        assert ruled_out > 0 and all(s.splitk == 1 for s in cands)
+    assert ruled_out > 0   # e.g. rows that do not divide the shape, too many loads in flight
+    assert any(s.splitk > 1 for s in cands)   # every epilogue takes K splits (split 0 applies it)
 
 
 def test_the_kernel_run_now_competes_second():

@@ -23,6 +23,8 @@ def _main(argv) -> int:
     p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="GEMV roles (comma-separated)")
     p.add_argument("--rows", default="1", metavar="M,...",
                    help="multirow buckets whose m-row kernels to sweep (default 1: the decode kernels)")
+    p.add_argument("--spaces", default=None, metavar="NAME,...",
+                   help="m = 1 search spaces of tune/spaces.yaml to sweep (default: all of them)")
     p.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                    help="stop judging new candidates after this long (resume later: progress is kept)")
     p.add_argument("--repo", action="store_true",
@@ -49,11 +51,14 @@ def _main(argv) -> int:
                             f"({', '.join(map(str, buckets))}; config multirow.buckets)")
     from .gen import model_dims
     from ..codegen import tuned_store as store
-    from ..tuning import sweep
+    from ..tuning import space, sweep
     out = store.repo_path() if args.repo else store.user_path()
+    spaces = tuple(s.strip() for s in args.spaces.split(",") if s.strip()) if args.spaces else space.TILE_SPACES
+    space.tile_spaces(spaces)   # an unknown name fails here, before the device starts
     dims = model_dims(args.model)
     summary = [r for m in ms for r in sweep.tune(dims, config.default(), roles, args.budget / len(ms),
-                                                  log=lambda line: print(line, flush=True), out=out, m=m)]
+                                                  log=lambda line: print(line, flush=True), out=out, m=m,
+                                                  spaces=spaces)]
     print(sweep.table(summary))
     if summary:
         print(f"stored in {out}")

@@ -127,10 +127,13 @@ class KernelSpec:
     uri_fields: ClassVar[tuple[str, ...]] = ()   # fields shown in the readable URI, in this order
     kernel_params: ClassVar[tuple[Param, ...]]   # in C++ order; a property where variants differ
     timeable: ClassVar[bool] = False   # the template carries the timeline probe's hooks (codegen/probe.py)
+    # Fields added after kernels were named (tuned entries, caches): left out of spec_repr and the URI while
+    # they hold their default, so every earlier spec keeps its repr, URI and cache key.
+    late_fields: ClassVar[tuple[str, ...]] = ("timed",)
 
     # Timeline variant (codegen/probe.py): one more parameter, `probe`, and %globaltimer stamps. Keyword-only
-    # (families declare required fields after it) and left out of spec_repr while False, so an untimed
-    # spec's repr, URI, cache key and source are exactly what they were before this field existed.
+    # (families declare required fields after it) and a late field: an untimed spec's repr, URI, cache key
+    # and source are exactly what they were before this field existed.
     timed: bool = dataclasses.field(default=False, kw_only=True)
 
     # ---- subclass hooks ----------------------------------------------------------------------------
@@ -166,12 +169,19 @@ class KernelSpec:
         raise NotImplementedError(f"{type(self).__name__}.launch()")
 
     # ---- derived names -------------------------------------------------------------------------------
+    def _shown(self, name: str) -> bool:
+        """Whether field `name` is part of the spec's names (a late field only away from its default)."""
+        if name not in self.late_fields:
+            return True
+        f = next(f for f in dataclasses.fields(self) if f.name == name)
+        return getattr(self, name) != f.default
+
     @property
     def spec_repr(self) -> str:
-        """Canonical text of the spec (family, template, every field in declaration order; ``timed`` only
-        when True): hashed into the URI and embedded in the generated source."""
+        """Canonical text of the spec (family, template, every field in declaration order; late fields only
+        away from their defaults): hashed into the URI and embedded in the generated source."""
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                           if f.name != "timed" or self.timed)
+                           if self._shown(f.name))
         return f"{self.family}[{self.template}]({fields})"
 
     @property
@@ -181,7 +191,7 @@ class KernelSpec:
     @property
     def uri(self) -> str:
         """``<family>_<field><value>..._<8hex>``, a valid C identifier, e.g. gemv_int4_n18944_k3584_<8hex>."""
-        parts = ([self.family] + [_uri_part(n, getattr(self, n)) for n in self.uri_fields]
+        parts = ([self.family] + [_uri_part(n, getattr(self, n)) for n in self.uri_fields if self._shown(n)]
                  + ["timed"] * self.timed + [self.hash8])
         return re.sub(r"[^0-9A-Za-z_]", "_", "_".join(parts))
 

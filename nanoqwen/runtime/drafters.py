@@ -7,8 +7,9 @@ request, so an engine holds the setting and a request holds its drafter.
 
 Prompt lookup: the longest recent n-gram of the sequence (n from ``max_ngram`` down to ``min_ngram``)
 found earlier in prompt + output proposes the tokens that followed its most recent earlier occurrence.
-An index n -> {n-gram: end of its most recent occurrence} is updated in O(max_ngram) per token, so a
-lookup costs max_ngram dictionary probes: nothing that grows with the sequence sits in the decode loop.
+The sequence sits in one int array; a draft scans it with max_ngram vectorized compares (~15 us at 4096
+tokens here), so a request starts at once. A dictionary of every n-gram's latest end, the earlier design,
+made each draft a few probes but cost ~7 ms of Python before a 4096-token request's first token.
 
 Draft model: a smaller model of the same vocabulary (Qwen2.5-Coder-0.5B for the 7B), opened by
 ``backends.open_engine`` with the target's backend and context as an engine of its own (its own KV cache,
@@ -27,6 +28,8 @@ once, so that the engine launches them back to back instead of one host round tr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .. import NanoqwenError
 from ..modelcache import ModelError, is_file
@@ -79,28 +82,37 @@ class PromptLookup:
 class LookupDrafter(AdaptiveK):
     def __init__(self, setting: PromptLookup, prompt: list[int]):
         super().__init__(setting.max_draft)
-        self.tokens: list[int] = []
-        # index[n][gram] = e: tokens[e - n:e] == gram, the latest such e before the sequence's end
-        self.index: dict[int, dict[tuple, int]] = {n: {} for n in range(setting.min_ngram, setting.max_ngram + 1)}
+        self.min_ngram, self.max_ngram = setting.min_ngram, setting.max_ngram
+        self.seq, self.n = np.empty(max(64, 2 * len(prompt)), np.int64), 0   # tokens [0, n) of the sequence
         self.append(prompt)
 
     def append(self, tokens) -> None:
-        for t in tokens:
-            end = len(self.tokens)   # grams ending here become "earlier" once t follows them
-            for n, grams in self.index.items():
-                if end >= n:
-                    grams[tuple(self.tokens[end - n:end])] = end
-            self.tokens.append(int(t))
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        end = self.n + len(tokens)
+        if end > len(self.seq):
+            self.seq = np.concatenate([self.seq[:self.n], np.empty(max(end, 2 * len(self.seq)) - self.n, np.int64)])
+        self.seq[self.n:end] = tokens
+        self.n = end
 
     def draft(self, limit: int) -> list[int]:
         """Up to min(k, limit) tokens; [] when no n-gram of the sequence's end occurred before."""
-        k, seq = min(self.k, limit), self.tokens
-        if k < 1:
+        k, L = min(self.k, limit), self.n
+        if k < 1 or L < 2:
             return []
-        for n in sorted(self.index, reverse=True):
-            if len(seq) >= n and (end := self.index[n].get(tuple(seq[len(seq) - n:]))) is not None:
-                return seq[end:end + k]
-        return []
+        seq = self.seq[:L]
+        # hit[e - 1]: the sequence's last n tokens also end at e (n <= e <= L - 1); longer n-grams' hits are
+        # a subset of shorter ones', so n grows while any is left
+        hit, end = seq[:L - 1] == seq[L - 1], None
+        for n in range(1, self.max_ngram + 1):
+            if n > 1:
+                hit[:n - 1] = False
+                hit[n - 1:] &= seq[:L - n] == seq[L - n]
+            found = np.flatnonzero(hit)
+            if not found.size:
+                break
+            if n >= self.min_ngram:
+                end = int(found[-1]) + 1
+        return [] if end is None else seq[end:end + k].tolist()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ sequences over this step."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import driver
@@ -62,7 +64,7 @@ class RowStep:
         self.tables = self.host_tables.array(np.int32).reshape(m, self.table_len)
         self.sequences = {b: self._sequence(b) for b in self.buckets}
         self.graphs: dict[int, driver.Graph] = {}
-        self.ms: dict[int, float] = {}   # bucket -> its replay time (``measure``)
+        self.ms: dict[int, float] = {}   # bucket -> a verify's wall time in ms (``measure``)
         self.done = driver.Event()
 
     def _sequence(self, m: int) -> list:
@@ -107,24 +109,19 @@ class RowStep:
                 self.graphs[m] = g
 
     def measure(self, reps: int = 3) -> None:
-        """Each captured bucket's replay time, the best of ``reps``, over the warm-up's inputs (m rows at
-        positions 0..m-1 of the loaded page table): the step's cost is far from linear in its rows (m = 16
-        costs more than two m = 8 on the H200, docs/perf-notes.md), so runtime/batchstep.py splits rows by
-        these times. Each bucket gets its own inputs: the table offsets' place in them depends on m."""
-        start, end, stream = driver.Event(), driver.Event(), self.shared.stream
-        try:
-            for m in self.graphs:
-                self.load([0] * m, list(range(m)))
-                best = float("inf")
-                for _ in range(reps):
-                    start.record(stream)
-                    self.graphs[m].launch(stream)
-                    end.record(stream)
-                    best = min(best, driver.Event.elapsed_ms(start, end))
-                self.ms[m] = best
-        finally:
-            start.close()
-            end.close()
+        """Each bucket's step as a verify pays for it, host included: the wall time of ``run`` (inputs up,
+        the graph, the argmaxes back and waited for), the best of ``reps``, over the warm-up's inputs (m rows
+        at positions 0..m-1 of the loaded page table). A small model's host part is 1.5-3x its graph
+        (docs/perf-notes.md), and a speculative request weighs its draft length by these times against
+        the decode step's, which runs ahead of the host. The step's cost is far from linear in its rows
+        (m = 16 costs more than two m = 8 on the H200), so runtime/batchstep.py splits rows by them too."""
+        for m in self.graphs:
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                self.run([0] * m, list(range(m)))
+                best = min(best, time.perf_counter() - t0)
+            self.ms[m] = 1e3 * best
 
     def run(self, tokens: list[int], positions: list[int], tables: list | None = None,
             logits: bool = False) -> list[int]:

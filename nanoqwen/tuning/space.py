@@ -18,6 +18,9 @@ class SpaceError(NanoqwenError):
 
 
 ROWS_SPACE = "gemv_int4_rows"   # the m-row kernels' re-tilings (gemv.MULTIROW_TILE), swept per bucket
+MMA_SPACE = "gemv_int4_mma"     # the tensor-core tiles, swept beside the CUDA-core ones (a space of its own:
+                                # their lanes, rows and batches are not the CUDA-core kernel's)
+TILE_SPACES = (gemv.GemvInt4Spec.family, MMA_SPACE)   # the m = 1 kernels' spaces
 
 
 @cache
@@ -27,7 +30,8 @@ def spaces() -> dict[str, dict[str, list]]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise SpaceError(f"{path}: cannot load search spaces: {e}") from None
-    allowed = {gemv.GemvInt4Spec.family: gemv.GemvInt4Spec.parameters(), ROWS_SPACE: gemv.MULTIROW_TILE}
+    allowed = {gemv.GemvInt4Spec.family: gemv.GemvInt4Spec.parameters(), MMA_SPACE: gemv.GemvInt4Spec.parameters(),
+               ROWS_SPACE: gemv.MULTIROW_TILE}
     for family, space in data.items():
         if family not in allowed:
             raise SpaceError(f"{path}: no tuner for kernel family {family!r}")
@@ -39,26 +43,36 @@ def spaces() -> dict[str, dict[str, list]]:
     return data
 
 
-def _product(space: dict[str, list], default, make) -> tuple[list, int]:
-    """([default] + every distinct valid make(params) over the space's cross product, number ruled out)."""
+def tile_spaces(names: tuple[str, ...] = TILE_SPACES) -> list[dict[str, list]]:
+    """The m = 1 search spaces `names` (those tune/spaces.yaml holds); an unknown name is a SpaceError."""
+    unknown = [n for n in names if n not in TILE_SPACES]
+    if not names or unknown:
+        raise SpaceError(f"no m = 1 search space {', '.join(unknown) or '(none named)'} "
+                         f"(known: {', '.join(TILE_SPACES)})")
+    return [spaces()[name] for name in names if name in spaces()]
+
+
+def _product(spaces_: list[dict[str, list]], default, make) -> tuple[list, int]:
+    """([default] + every distinct valid make(params) over each space's cross product, number ruled out)."""
     out, rejected = [default], 0
-    for values in itertools.product(*space.values()):
-        try:
-            spec = make(dict(zip(space, values)))
-        except SpecError:
-            rejected += 1
-            continue
-        if spec not in out:
-            out.append(spec)
+    for space in spaces_:
+        for values in itertools.product(*space.values()):
+            try:
+                spec = make(dict(zip(space, values)))
+            except SpecError:
+                rejected += 1
+                continue
+            if spec not in out:
+                out.append(spec)
     return out, rejected
 
 
-def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config,
+def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config, names: tuple[str, ...] = TILE_SPACES,
                     current: gemv.GemvInt4Spec | None = None) -> tuple[list[gemv.GemvInt4Spec], int]:
-    """(valid candidate specs for `role`, number ruled out by the spec's constraints). The config default
-    is always first and `current` (the kernel this GPU runs now, from its tuned entry) second, so a sweep
-    can never end worse than the fallback or than what is stored."""
-    cands, rejected = _product(spaces()[gemv.GemvInt4Spec.family], gemv.role_spec(role, dims, cfg),
+    """(valid candidate specs for `role` over the m = 1 spaces `names`, number ruled out by the spec's
+    constraints). The config default is always first and `current` (the kernel this GPU runs now, from its
+    tuned entry) second, so a sweep can never end worse than the fallback or than what is stored."""
+    cands, rejected = _product(tile_spaces(names), gemv.role_spec(role, dims, cfg),
                                lambda params: gemv.role_spec(role, dims, cfg, **params))
     if current is not None and current not in cands:
         cands.insert(1, current)
@@ -68,11 +82,11 @@ def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config,
 def multirow_candidates(one: gemv.GemvInt4Spec, m: int, cfg: config.Config) -> tuple[list[gemv.GemvInt4Spec], int]:
     """(valid m-row kernels beside the m = 1 kernel `one`, number ruled out): the default re-tiling first,
     then every combination of the gemv_int4_rows space the spec allows (each keeps `one`'s row order)."""
-    return _product(spaces()[ROWS_SPACE], gemv.multirow_spec(one, m, cfg),
+    return _product([spaces()[ROWS_SPACE]], gemv.multirow_spec(one, m, cfg),
                     lambda tile: gemv.multirow_spec(one, m, cfg, tile=tile))
 
 
 def tile_params(spec: gemv.GemvInt4Spec) -> dict:
     """The tunable fields of a spec (what the tuned-results file stores): m > 1, the re-tiling."""
-    names = gemv.MULTIROW_TILE if spec.m > 1 else spaces()[spec.family]
-    return {n: getattr(spec, n) for n in names}
+    names = gemv.MULTIROW_TILE if spec.m > 1 else [n for space in tile_spaces() for n in space]
+    return {n: getattr(spec, n) for n in dict.fromkeys(names)}

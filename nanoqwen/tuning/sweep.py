@@ -43,9 +43,10 @@ class _Progress:
         os.replace(tmp, self.path)
 
 
-def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print, out=None, m: int = 1) -> list[dict]:
-    """Sweep `roles` (m > 1: their m-row kernels); merge the winners into the tuned-results file ``out``
-    (default: the user's)."""
+def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print, out=None, m: int = 1,
+         spaces: tuple[str, ...] = space.TILE_SPACES) -> list[dict]:
+    """Sweep `roles` (m > 1: their m-row kernels; m = 1: over the search spaces `spaces`); merge the winners
+    into the tuned-results file ``out`` (default: the user's)."""
     dev = driver.device()
     gpu = dev.props.name
     stream, rng = driver.Stream(), np.random.default_rng()
@@ -57,7 +58,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     summary, entries = [], {}
     for role in roles:
         one = tuned.role_spec(role, dims, cfg, gpu)   # now: the m = 1 kernel (m > 1: whose rows candidates keep)
-        cands, ruled_out = (space.gemv_candidates(role, dims, cfg, current=one) if m == 1
+        cands, ruled_out = (space.gemv_candidates(role, dims, cfg, spaces, current=one) if m == 1
                             else space.multirow_candidates(one, m, cfg))
         log(f"{role}{f' m={m}' if m > 1 else ''}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
         built = codegen.build_many(cands + [one] * (m > 1), progress=codegen.ProgressLine(), return_exceptions=True)

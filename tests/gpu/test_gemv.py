@@ -56,12 +56,14 @@ def test_gemv_matches_reference(fns, model, spec, pdl):
     assert err <= TOL, f"{spec.uri}: ||out - ref|| / ||ref|| = {err:.3e} > {TOL}"
 
 
-@pytest.mark.parametrize("role", gemv.ROLES)
-def test_massive_activations_stay_finite_and_exact(fns, role):
+MASSIVE_CASES = [gemv.role_spec(role, QWEN25_7B, CFG) for role in gemv.ROLES] + gemv.mma_variants(QWEN25_7B, CFG)[::2]
+
+
+@pytest.mark.parametrize("spec", MASSIVE_CASES, ids=[s.uri for s in MASSIVE_CASES])
+def test_massive_activations_stay_finite_and_exact(fns, spec):
     """Inputs at the fp16 limit (Qwen2's massive activations after the saturating casts): a product
-    65504 * 7 alone overflows fp16, so the kernel must prescale x; the output stays finite and within
-    tolerance of the fp32 reference."""
-    spec = gemv.role_spec(role, QWEN25_7B, CFG)
+    65504 * 7 alone overflows fp16, so the CUDA-core kernel must prescale x (the tensor cores accumulate in
+    fp32); the output stays finite and within tolerance of the fp32 reference."""
     case = GemvCase.seeded(spec, MASSIVE_SEED, massive=True)
     try:
         err = case.check(driver.load(codegen.build(spec)), spec)
@@ -142,6 +144,8 @@ MULTIROW_CASES = list(dict.fromkeys(
      for model in MODELS for role in gemv.ROLES for m in MULTIROW_MS]
     + [("7b", one, gemv.multirow_spec(one, m, CFG, tile=t))
        for one in (gemv.role_spec(role, QWEN25_7B, CFG) for role in gemv.ROLES) for t in TILES for m in (2, 8)]
+    + [("7b", one, gemv.multirow_spec(one, m, CFG, tile=t)) for one in gemv.mma_variants(QWEN25_7B, CFG)
+       for m in (2, 3, 8, 16) for t in (None, {"rows": 4, "unroll": 1, "prefetch": True})]
     + _tuned_multirow()))
 
 
@@ -182,10 +186,9 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, spec1, specm)
 
 
 @pytest.mark.parametrize("m", [2, 8, 16])
-@pytest.mark.parametrize("role", gemv.ROLES)
-def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, role, m):
+@pytest.mark.parametrize("one", MASSIVE_CASES, ids=[s.uri for s in MASSIVE_CASES])
+def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, one, m):
     """A row with massive activations prescales itself alone: the ordinary rows beside it (and the massive
     row itself) stay bitwise their m = 1 outputs (class (a)); the ordinary rows within the GEMV tolerance of
     the reference, the massive row finite (its error is the m = 1 kernel's, test_massive_activations')."""
-    _check_rows(multirow_fns, gemv.role_spec(role, QWEN25_7B, CFG), gemv.role_spec(role, QWEN25_7B, CFG, m=m),
-                massive_rows=(1,))
+    _check_rows(multirow_fns, one, gemv.multirow_spec(one, m, CFG), massive_rows=(1,))

@@ -5,8 +5,11 @@ the trained small-py model (realistic top-1 margins):
   K/V pages, for split points mid-page and page-aligned; parts of <= prefill.small_m_tokens tokens (an
   editor's 32-token tail, a last token) run the small-M GEMM tiles and the split-KV attention (replayed
   as chunk graphs), the 200-token whole the default tiles and the unsplit attention;
-* greedy tokens with reuse equal a cold prefill's, for reused prefixes L mid-page, page-aligned, a whole
-  page table away, and the same prompt again (L = P - 1); ``cached_tokens`` is exactly L;
+* greedy tokens with reuse equal a cold prefill's, for common prefixes L mid-page, page-aligned, a whole
+  page table away, and the same prompt again (L = P - 1); ``cached_tokens`` is exactly L where the request
+  takes the kept sequence over, and L down to a page boundary where it parts inside the kept prompt and
+  shares its full pages (runtime/prefix_cache.py); the kept sequence it shared with still gives its own
+  tokens afterwards;
 * a reply's tokens are reused by the next turn, after closing a stream early too (only what was
   computed is kept, the steps launched ahead drained);
 * LRU eviction in a pool of two sequences; ``logits=True`` rows agree with the tokens.
@@ -32,7 +35,7 @@ from _margins import assert_same_pairs, check_pairs
 from ._gpu_util import fresh_rng
 from .test_prefill_runtime import LOGITS_TOL, corpus, gathered_pages, window  # noqa: F401
 from nanoqwen import config
-from nanoqwen.runtime.prefix_cache import common_prefix
+from nanoqwen.runtime.token_trie import common_prefix
 
 pytestmark = pytest.mark.gpu
 
@@ -104,10 +107,12 @@ def test_reuse_gives_cold_tokens(engine, corpus, L):
     got = {}
     for logits in (False, True):   # the greedy path and the logits=True path over the same reuse
         engine.runner.cache.clear()
-        list(engine.generate(first, 4))
+        first_out = list(engine.generate(first, 4))
         got[logits] = list(engine.generate(prompt, NEW, logits=logits))
-        assert engine.cached_tokens == L
+        assert engine.cached_tokens == (L if first == prompt else L - L % PAGE)
     assert got[False] == [t for t, _ in got[True]], "class (a): the same kernels over the same reuse"
+    if first != prompt:   # the shared pages were not written: the kept sequence gives its tokens again
+        assert list(engine.generate(first, 4)) == first_out and engine.cached_tokens == len(first) - 1
     check_cold(engine, got[True], prompt, f"L={L}")
 
 

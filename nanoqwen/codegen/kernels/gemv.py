@@ -34,7 +34,8 @@ class GemvInt4Spec(KernelSpec):
     family = "gemv_int4"
     template = "gemv_int4.cu.j2"
     timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
-    uri_fields = ("epilogue", "n", "k", "norm", "rows", "lanes", "warps", "tiles_per_warp", "splitk", "m")
+    uri_fields = ("epilogue", "n", "k", "norm", "mma", "rows", "lanes", "warps", "tiles_per_warp", "splitk", "m")
+    late_fields = KernelSpec.late_fields + ("mma",)   # CUDA-core kernels keep their names
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
@@ -44,13 +45,14 @@ class GemvInt4Spec(KernelSpec):
     eps: float = 1e-6              # RMSNorm epsilon (used only with norm)
     group: int = 128               # weights per scale along K
     lane_offsets: tuple[int, ...] = VALUE_SHUFFLE   # the format's quant.BIT_OFFSETS
+    mma: bool = False              # dot products on the tensor cores (lanes 4, rows even; the template's header)
     rows: int = 2                  # rows per lane group (a warp tile is rows * 32 / lanes rows)
-    lanes: int = 32                # lanes sharing one row: 32, 16 or 8 (16 fits K = 3584's 112 chunks)
+    lanes: int = 32                # lanes sharing one row: 32, 16 or 8 (16 fits K = 3584's 112 chunks); mma: 4
     warps: int = 4                 # warps per CTA
     tiles_per_warp: int = 1        # tiles each warp walks in turn (x staged once per CTA)
-    unroll: int = 0                # chunk iterations per load batch (0 = all of them: one batch per tile)
+    unroll: int = 0                # chunk iterations per load batch (0 = all of them; the last batch may be partial)
     prefetch: bool = False         # load the next batch before this one's math (two batches in registers)
-    splitk: int = 1                # K splits across blockIdx.y (residual epilogue only)
+    splitk: int = 1                # K splits across blockIdx.y (one cluster; split 0 sums them, then the epilogue)
     m: int = 1                     # activation rows sharing each weight read (1..16; the multi-row step)
 
     # ---- derived -------------------------------------------------------------------------------------
@@ -86,8 +88,9 @@ class GemvInt4Spec(KernelSpec):
 
     @property
     def xs_bytes(self) -> int:
-        """Shared memory of the staged x rows: m rows of iters * lanes 64-byte chunks."""
-        return self.m * self.iters * self.lanes * 64
+        """Shared memory of the staged x rows: m rows of iters * lanes 64-byte chunks (mma: + 64 bytes of
+        padding a row, the template's XSTRIDE)."""
+        return self.m * (self.iters * self.lanes + self.mma) * 64
 
     @property
     def xs_dynamic(self) -> bool:
@@ -136,9 +139,15 @@ class GemvInt4Spec(KernelSpec):
             raise SpecError(f"{f}.group must be a positive multiple of 32, got {self.group}")
         if self.n <= 0 or self.k <= 0 or self.k % self.group:
             raise SpecError(f"{f}: k={self.k} must be a positive multiple of group={self.group} (n={self.n})")
-        if self.lanes not in (8, 16, 32) or (32 * self.lanes) % self.group:
+        if self.mma:
+            if self.lanes != 4 or self.group != 128 or self.rows not in (2, 4) or self.n % self.tile_rows:
+                raise SpecError(f"{f}: mma takes lanes=4 (got {self.lanes}), group=128 (got {self.group}) and "
+                                f"rows 2 or 4 (got {self.rows}) with rows*8 dividing n={self.n}")
+            if (self.k // self.splitk) % self.group:
+                raise SpecError(f"{f}: mma splits k={self.k} on group boundaries; splitk={self.splitk} does not")
+        elif self.lanes not in (8, 16, 32) or (32 * self.lanes) % self.group:
             raise SpecError(f"{f}.lanes must be 8, 16 or 32 with group | 32 * lanes, got {self.lanes}")
-        if self.rows not in (1, 2, 4, 8, 16) or self.mats * self.rows > self.lanes or self.n % self.tile_rows:
+        elif self.rows not in (1, 2, 4, 8, 16) or self.mats * self.rows > self.lanes or self.n % self.tile_rows:
             raise SpecError(f"{f}.rows={self.rows} must be a power of two with mats*rows <= lanes={self.lanes} "
                             f"and rows*32/lanes dividing n={self.n}")
         if not 1 <= self.warps <= 32:
@@ -148,18 +157,14 @@ class GemvInt4Spec(KernelSpec):
         if not 1 <= self.splitk <= 8 or self.k % (32 * self.splitk):
             raise SpecError(f"{f}.splitk={self.splitk} must be 1..8 (one cluster) and split k={self.k} into "
                             f"whole 32-input chunks")
-        if self.splitk > 1 and self.epilogue != "residual":
-            raise SpecError(f"{f}.splitk > 1 needs the residual epilogue (partials meet in fp32 h)")
-        if self.norm and self.splitk != 1:
-            raise SpecError(f"{f}: the RMSNorm prologue needs the whole input (splitk=1)")
         if self.norm and self.k % 8:
             raise SpecError(f"{f}: norm needs k % 8 == 0")
         if self.epilogue == "swiglu" and not self.out_f16:
             raise SpecError(f"{f}: swiglu output feeds the down GEMV and must be fp16 (out_f16=True)")
         if self.epilogue == "residual" and self.out_f16:
             raise SpecError(f"{f}: the residual stream is fp32 (out_f16 must be False)")
-        if self.unroll < 0 or self.iters % self.unroll_eff:
-            raise SpecError(f"{f}.unroll={self.unroll} must divide the {self.iters} chunk iterations per lane")
+        if not 0 <= self.unroll <= self.iters:
+            raise SpecError(f"{f}.unroll={self.unroll} must be 0..{self.iters} (the chunk iterations per lane)")
         if not 1 <= self.m <= MAX_M:
             raise SpecError(f"{f}.m must be 1..{MAX_M} activation rows, got {self.m}")
         if self.xs_bytes > DEFAULT.max_smem:
@@ -230,23 +235,25 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
     cfg = cfg or config.default()
     n, k = role_shape(role, dims)
     tile = getattr(cfg.gemv_int4, role)
-    splitk = tile.splitk if _ROLE_VARIANT[role]["epilogue"] == "residual" else 1
-    while splitk > 1 and k % (32 * splitk):
-        splitk -= 1
     params = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size,
-                  lane_offsets=quant.BIT_OFFSETS, rows=_fit(tile.rows, n * tile.lanes // 32),
-                  lanes=tile.lanes, warps=tile.warps,
-                  tiles_per_warp=tile.tiles_per_warp, unroll=tile.unroll, splitk=splitk,
+                  lane_offsets=quant.BIT_OFFSETS, mma=tile.mma, rows=tile.rows, lanes=tile.lanes,
+                  warps=tile.warps, tiles_per_warp=tile.tiles_per_warp, unroll=tile.unroll,
+                  splitk=tile.splitk,
                   **_ROLE_VARIANT[role])
+    # Small test models: the config's tile shrunk to fit the shape (K splits, rows); overrides stay as given.
+    step = params["group"] if tile.mma else 32   # a K split is whole chunks (mma: whole groups)
+    while params["splitk"] > 1 and k % (step * params["splitk"]):
+        params["splitk"] -= 1
+    params["rows"] = _fit(tile.rows, n // (8 if tile.mma else 32 // tile.lanes))
     params.update(override)
     spec = GemvInt4Spec(**params)
-    if spec.unroll and spec.iters % spec.unroll:
-        spec = GemvInt4Spec(**{**params, "unroll": 0})
+    if spec.unroll > spec.iters:
+        spec = dataclasses.replace(spec, unroll=0)
     spec.validate()
     return multirow_spec(spec, m, cfg)
 
 
-# Multi-row tiles. A row's arithmetic order depends only on lanes, splitk, k and the group (the template's
+# Multi-row tiles. A row's arithmetic order depends only on mma, lanes, splitk, k and the group (the template's
 # header; the RMSNorm prologue's sum has a layout of its own, NORM_THREADS, whatever the block size): the
 # m-row kernel keeps those of its m = 1 kernel and may re-tile the rest (MULTIROW_TILE). m rows
 # of x take m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: by default at
@@ -297,10 +304,27 @@ def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfil
             for m in cfg.multirow.buckets if m > 1]
 
 
+# A tensor-core tile for the tests: prefetch, and a partial last batch on every 7B shape (28 and 37 groups).
+MMA_TEST_TILE = dict(mma=True, lanes=4, rows=2, warps=8, tiles_per_warp=1, unroll=3, prefetch=True)
+
+
+def mma_variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
+    """The decoder-layer roles on the tensor cores: MMA_TEST_TILE, and two MMA tiles per warp over K splits
+    (at least 2, where whole groups allow: every epilogue split; the 16 staged rows of down's 18944 inputs
+    fit only at its own 4)."""
+    specs = []
+    for role in ROLES:
+        k, own = role_shape(role, dims)[1], getattr(cfg.gemv_int4, role).splitk
+        splitk = max(2, own) if k % (cfg.quant.group_size * max(2, own)) == 0 else 1
+        two = {**MMA_TEST_TILE, "rows": 4, "unroll": 2, "prefetch": False, "splitk": splitk}
+        specs += [role_spec(role, dims, cfg, **MMA_TEST_TILE), role_spec(role, dims, cfg, **two)]
+    return specs
+
+
 def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
-    """The decoder-layer kernels plus every other epilogue / prologue / output combination on the o_proj
-    shape: what the tests compile and check."""
-    specs = specs_for_model(dims, cfg)
+    """The decoder-layer kernels (CUDA cores and tensor cores) plus every other epilogue / prologue / output
+    combination on the o_proj shape: what the tests compile and check."""
+    specs = specs_for_model(dims, cfg) + mma_variants(dims, cfg)
     n, k = role_shape("o_proj", dims)
     base = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size, lane_offsets=quant.BIT_OFFSETS)
     specs += [
@@ -309,7 +333,10 @@ def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
         GemvInt4Spec(**base, norm=True),                            # RMSNorm + plain
         GemvInt4Spec(**base, epilogue="bias"),                      # bias without norm
         GemvInt4Spec(**base, epilogue="residual", splitk=2),        # split-K residual
+        GemvInt4Spec(**base, epilogue="bias", norm=True, splitk=2),   # split-K: each split normalises, split 0 adds bias
+        GemvInt4Spec(**base, epilogue="swiglu", norm=True, out_f16=True, splitk=4),   # split-K SwiGLU: gate and up parked
         GemvInt4Spec(**base, epilogue="swiglu", out_f16=True),      # SwiGLU without norm
+        GemvInt4Spec(**base, lanes=8, rows=1, unroll=3, prefetch=True),    # a partial last batch
     ]
     for spec in specs:
         spec.validate()
