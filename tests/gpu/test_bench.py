@@ -103,3 +103,16 @@ def test_baselines_ran_or_say_why(bench):
     if "skipped" not in g:
         for row in g["shapes"]:
             assert "skipped" in row or (row["us"] > 0 and row["torch_over_nanoqwen"] > 0), row
+
+
+def test_prefill_norm_bench_writes_its_json(tmp_path):
+    """`python -m nanoqwen.bench.norm`: a time a launch for each M, its bytes over that time below the copy
+    bandwidth measured in the same run."""
+    from nanoqwen.bench import norm
+    norm.main(["--m", "16", "512", "--json", str(tmp_path / "n.json")])
+    r = json.loads((tmp_path / "n.json").read_text())
+    assert r["kind"] == "nanoqwen-bench-norm" and r["copy_GBps"] > 0
+    assert [x["m"] for x in r["norm"]] == [16, 512]
+    for x in r["norm"]:
+        assert x["launches"] == 56 and x["s"] > 0 and x["bytes"] == x["m"] * 3584 * 6
+        assert 0 < x["GBps"] < 1.5 * r["copy_GBps"]
