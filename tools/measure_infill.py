@@ -8,7 +8,9 @@ model's tokenizer:
 - the server's whole TTFT (its histogram: request received -> first token) of keystroke re-requests against
   tools/measure_host_step.py's stand-in engine, whose steps cost nothing: the host's floor under a
   re-request's TTFT (JSON, pydantic, tokenizing, the request check, the prefix match, scheduling), and the
-  client's wall time over one kept-alive connection.
+  client's wall time over one kept-alive connection;
+- the same for issue 21's benchmark request, token ids in (`nanoqwen.bench.serve`'s 4096-token prompt whose
+  first 4064 tokens the previous request had, /v1/completions): the host's floor under that figure.
 
 Medians over --reps. Usage: python tools/measure_infill.py [--reps 11] [--json FILE]"""
 
@@ -60,6 +62,27 @@ def server(chunks, prefix: str, suffix: str, tokens: int, reps: int) -> dict:
             "tokens_cached": res.json()["tokens_cached"], "samples_ms": {"server_ttft": server_ms, "client": client_ms}}
 
 
+def ids_server(reps: int, n: int = 4096, changed: int = 32) -> dict:
+    """Re-requests of ``n`` token ids whose last ``changed`` differ each time (after two to warm up) against
+    the stand-in server: its TTFT and the client's, as ``server`` times /infill."""
+    base = [(7 * i) % 2000 + 3 for i in range(n)]   # ids of the small model's vocabulary, fixed
+    with stand_in(1, n, 0.0) as srv, httpx.Client(timeout=120) as client:
+        server_ms, client_ms = [], []
+        for r in range(reps + 2):
+            prompt = base[:n - changed] + [(r + j) % 2000 + 3 for j in range(changed)]
+            with ServerTTFT(srv) as ttft:
+                t0 = time.perf_counter()
+                res = client.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                                     "temperature": 0})
+                wall = time.perf_counter() - t0
+                res.raise_for_status()
+            if r >= 2:
+                server_ms.append(ttft.ms)
+                client_ms.append(1e3 * wall)
+    return {"tokens": n, "changed": changed, "server_ttft": statistics.median(server_ms),
+            "client": statistics.median(client_ms), "samples_ms": {"server_ttft": server_ms, "client": client_ms}}
+
+
 def ms(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -82,6 +105,7 @@ def main(argv=None) -> int:
         again.append(ms(lambda: prompts.repo_fim(tok, chunks, prefix, suffix)))
         keystroke.append(ms(lambda: prompts.repo_fim(tok, chunks, prefix + "x" * (r + 1), suffix)))
     stand = server(chunks, prefix, suffix, tokens, args.reps)
+    ids = ids_server(args.reps)
     res = {"kind": "nanoqwen-infill-host", "schema": 1, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu": platform.processor() or platform.machine(), "tokenizer": "tests/data/small-py (2048 tokens)",
@@ -90,12 +114,14 @@ def main(argv=None) -> int:
            "ms": {"first": statistics.median(first), "same_again": statistics.median(again),
                   "keystroke": statistics.median(keystroke)},
            "samples_ms": {"first": first, "same_again": again, "keystroke": keystroke},
-           "stand_in_server_ms": stand}
+           "stand_in_server_ms": stand, "ids_rerequest_ms": ids}
     m = res["ms"]
     print(f"{tokens} tokens: tokenizing the first request {m['first']:.2f} ms, the same again {m['same_again']:.2f} ms, "
           f"a keystroke later {m['keystroke']:.2f} ms\n"
           f"a keystroke later through the server, its engine instant: TTFT {stand['server_ttft']:.2f} ms server-side, "
-          f"{stand['client']:.2f} ms at the client ({stand['tokens_cached']} of {tokens} tokens cached)")
+          f"{stand['client']:.2f} ms at the client ({stand['tokens_cached']} of {tokens} tokens cached)\n"
+          f"{ids['tokens']} token ids re-requested, the last {ids['changed']} changed, its engine instant: TTFT "
+          f"{ids['server_ttft']:.2f} ms server-side, {ids['client']:.2f} ms at the client")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
     return 0
