@@ -5,8 +5,6 @@ share APIError) run without fastapi installed."""
 
 from __future__ import annotations
 
-import json
-import re
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -35,7 +33,9 @@ def validation(exc) -> APIError:
 
 
 async def parse(request, model):
-    """The JSON body as ``model``, whatever the Content-Type says (curl -d sends form encoding)."""
+    """The JSON body as ``model``, whatever the Content-Type says (curl -d sends form encoding). pydantic
+    parses the bytes itself (its Rust parser: a 4096-id prompt in half the time of json.loads and then
+    validating the objects), and strictly: UTF-8 only, no lone surrogate escapes, no NaN, a nesting limit."""
     from pydantic import ValidationError
     from starlette.requests import ClientDisconnect
     try:
@@ -43,38 +43,13 @@ async def parse(request, model):
     except ClientDisconnect:   # gone, or cut off by the read deadline: nobody reads the answer, no traceback
         raise APIError("the connection closed before the whole body arrived", code="incomplete_body") from None
     try:
-        data = json.loads(body.decode("utf-8"))   # strict: JSON over HTTP is UTF-8 (RFC 8259)
-    except ValueError as e:
-        raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError("the body is JSON nested too deep", code="invalid_json") from None
-    if _SURROGATE_ESCAPE.search(body):
-        _check_unicode(data)
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(body)
     except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            raise APIError(f"the body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}",
+                           code="invalid_json") from None
         raise validation(e) from None
-
-
-# A lone surrogate can only arrive as a \u escape (UTF-8 cannot encode one); the rare body that has such
-# escapes (emoji written as surrogate pairs, too) is walked to find an unpaired one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _check_unicode(data) -> None:
-    todo = [data]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, dict):
-            todo += [*x.keys(), *x.values()]
-        elif isinstance(x, list):
-            todo += x
-        elif isinstance(x, str):
-            try:
-                x.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise APIError(f"the body holds a lone surrogate ({x[e.start]!r}), which is not text",
-                               code="invalid_json") from None
 
 
 def _http(_request, exc):
