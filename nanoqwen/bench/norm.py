@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from ..codegen.kernels import gemm as G
 from ..dims import QWEN25_7B
 from ..runtime import driver
 from .kernels import copy_bandwidth, git_commit
+from .protocol import write_json
 
 REPS, WARMUP = 20, 3
 
@@ -69,16 +70,16 @@ def run(ms=(32, 512, 4096)) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.norm", description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, nargs="+", default=[32, 512, 4096], help="rows (prefill tokens)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     res = run(tuple(args.m))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
