@@ -21,14 +21,9 @@ from nanoqwen.nqfile import NanoqwenFile
 from nanoqwen.pack import pack_random
 from nanoqwen.backends import cuda_available
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _tools import tool
 
-
-results_table, ab_bench = _tool("results_table"), _tool("ab_bench")
+results_table, ab_bench = tool("results_table"), tool("ab_bench")
 BENCH_RESULT = Path(__file__).resolve().parents[1] / "results" / "bench-h200-random7b-2026-12-03.json"
 
 D = QWEN25_7B

@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from _tools import tool
+
+test_lanes = tool("test_lanes")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*) exit 0;;
+  *tools/test_lanes.py*) exec "$REAL_PY" "$@";;
 esac
 f="${@: -1}"
 echo "start $f $(date +%s.%N)" >> "$RUNS"
@@ -34,14 +39,15 @@ SLOW, OTHERS, TIMING = ("tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "t
                         "tests/gpu/test_bench.py")
 
 
-def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW) -> tuple[int, dict, str]:
+def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tuple[int, dict, str]:
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PY)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     runs, out = tmp_path / "runs.txt", tmp_path / "out"
     env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(runs), SLOW_FILE=SLOW, FAIL_FILE=fail,
                GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
-               GPU_CHECK_PARALLEL_TESTS=lanes, PATH=f"{tmp_path}:{os.environ['PATH']}")
+               GPU_CHECK_PARALLEL_TESTS=lanes, PATH=f"{tmp_path}:{os.environ['PATH']}", REAL_PY=sys.executable,
+               **extra)
     rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
                         timeout=120).returncode
     times = {}
@@ -74,3 +80,27 @@ def test_lanes_run_side_by_side(tmp_path, fail):
     assert all(t[f]["start"] < t[SLOW]["end"] for f in OTHERS)
     assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
     assert all(f"({f})" in log for f in t)
+
+
+def test_lanes_balance_past_times():
+    """tools/test_lanes.py: longest first onto the least loaded lane; a file never timed takes the median."""
+    times = {"a": 100.0, "b": 60.0, "c": 50.0, "d": 10.0}
+    assert test_lanes.lanes(["a", "b", "c", "d"], 2, times) == [["a", "d"], ["b", "c"]]   # 110 s each
+    assert test_lanes.lanes(["a", "b", "c", "d", "new"], 3, times) == [["a"], ["b", "d"], ["c", "new"]]
+    assert test_lanes.lanes(["a", "b"], 4, times) == [["a"], ["b"]]   # no empty lanes
+
+
+def test_lanes_take_the_longest_time_of_the_newest_day(tmp_path):
+    for name, secs in [("gpu-tests-h200-2026-12-04-x.log", 300), ("gpu-tests-h200-2026-12-05-a.log", 50),
+                       ("gpu-tests-h200-2026-12-05-b.log", 80)]:
+        (tmp_path / name).write_text(f"== tests/gpu/test_x.py: rc=0 in {secs} s\n== tests/gpu/test_y.py: rc=1 in 9 s\n")
+    assert test_lanes.durations(sorted(tmp_path.glob("*.log"))) == {"tests/gpu/test_x.py": 80.0}
+
+
+def test_gpu_check_lanes_from_past_times(tmp_path):
+    """GPU_CHECK_LANES=2: every file but the timing one in two lanes side by side, the timing file after."""
+    rc, t, log = _run(tmp_path, lanes="", GPU_CHECK_LANES="2")
+    assert rc == 0 and set(t) == {SLOW, TIMING, *OTHERS}
+    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
+    starts = sorted(t[f]["start"] for f in [SLOW, *OTHERS])
+    assert starts[1] < min(t[f]["end"] for f in [SLOW, *OTHERS])   # two lanes began together

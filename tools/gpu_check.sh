@@ -9,6 +9,8 @@
 #                      "tests/gpu/test_gemv.py; tests/gpu/test_gemm.py tests/gpu/test_decode.py": test_gemv's ~260 s
 #                      are mostly numpy on the host, so the whole suite and the gate's A/B fit one call); the files
 #                      whose tests compare times (TIMING_TESTS) wait until every lane is done
+#   GPU_CHECK_LANES    N: instead, every file but the timing ones in N lanes of about equal time, from the times
+#                      of the newest results/gpu-tests-*.log (tools/test_lanes.py)
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
@@ -107,6 +109,12 @@ test_files() {  # test_files PYTEST_LOG FILE...: one pytest process a file, its 
 }
 if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     files=(${GPU_CHECK_TESTS:-tests/gpu/test_*.py})
+    if [ -n "${GPU_CHECK_LANES:-}" ] && [ -z "${GPU_CHECK_PARALLEL_TESTS:-}" ]; then   # balanced by past times
+        untimed=()
+        for f in "${files[@]}"; do [[ " $TIMING_TESTS " == *" $f "* ]] || untimed+=("$f"); done
+        GPU_CHECK_PARALLEL_TESTS=$($PY tools/test_lanes.py "$GPU_CHECK_LANES" "${untimed[@]}") || status=1
+        echo "lanes: $GPU_CHECK_PARALLEL_TESTS"
+    fi
     IFS=';' read -ra lanes <<< "${GPU_CHECK_PARALLEL_TESTS:-}"
     laned=" ${GPU_CHECK_PARALLEL_TESTS//;/ } " serial=() rest=()
     for f in "${files[@]}"; do
