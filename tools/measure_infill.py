@@ -43,44 +43,39 @@ def request(lines: list[str]) -> tuple[list[tuple[str, str]], str, str]:
     return chunks, "\n".join(lines[at:at + PREFIX_LINES]), "\n".join(lines[at + PREFIX_LINES:at + PREFIX_LINES + SUFFIX_LINES])
 
 
-def server(chunks, prefix: str, suffix: str, tokens: int, reps: int) -> dict:
-    """Keystroke re-requests (after two to warm up) against the stand-in server: its TTFT and the client's."""
-    extra = [{"filename": name, "text": text} for name, text in chunks]
+def rerequests(tokens: int, reps: int, path: str, body) -> tuple[dict, dict]:
+    """``reps`` re-requests ``body(r)`` to ``path`` (after two to warm up) against a stand-in server whose
+    context holds ``tokens``: (medians and samples of its TTFT and the client's, the last response's JSON)."""
     with stand_in(1, tokens, 0.0) as srv, httpx.Client(timeout=120) as client:
         server_ms, client_ms = [], []
         for r in range(reps + 2):
             with ServerTTFT(srv) as ttft:
                 t0 = time.perf_counter()
-                res = client.post(f"{srv.url}/infill", json={"input_extra": extra, "input_prefix": prefix + "x" * r,
-                                                             "input_suffix": suffix, "n_predict": 1})
+                res = client.post(f"{srv.url}{path}", json=body(r))
                 wall = time.perf_counter() - t0
                 res.raise_for_status()
             if r >= 2:
                 server_ms.append(ttft.ms)
                 client_ms.append(1e3 * wall)
-    return {"server_ttft": statistics.median(server_ms), "client": statistics.median(client_ms),
-            "tokens_cached": res.json()["tokens_cached"], "samples_ms": {"server_ttft": server_ms, "client": client_ms}}
+    return ({"server_ttft": statistics.median(server_ms), "client": statistics.median(client_ms),
+             "samples_ms": {"server_ttft": server_ms, "client": client_ms}}, res.json())
+
+
+def server(chunks, prefix: str, suffix: str, tokens: int, reps: int) -> dict:
+    """Keystroke re-requests of /infill (one more character before the cursor each time)."""
+    extra = [{"filename": name, "text": text} for name, text in chunks]
+    times, last = rerequests(tokens, reps, "/infill", lambda r: {
+        "input_extra": extra, "input_prefix": prefix + "x" * r, "input_suffix": suffix, "n_predict": 1})
+    return times | {"tokens_cached": last["tokens_cached"]}
 
 
 def ids_server(reps: int, n: int = 4096, changed: int = 32) -> dict:
-    """Re-requests of ``n`` token ids whose last ``changed`` differ each time (after two to warm up) against
-    the stand-in server: its TTFT and the client's, as ``server`` times /infill."""
+    """Re-requests of ``n`` token ids whose last ``changed`` differ each time, to /v1/completions."""
     base = [(7 * i) % 2000 + 3 for i in range(n)]   # ids of the small model's vocabulary, fixed
-    with stand_in(1, n, 0.0) as srv, httpx.Client(timeout=120) as client:
-        server_ms, client_ms = [], []
-        for r in range(reps + 2):
-            prompt = base[:n - changed] + [(r + j) % 2000 + 3 for j in range(changed)]
-            with ServerTTFT(srv) as ttft:
-                t0 = time.perf_counter()
-                res = client.post(f"{srv.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1,
-                                                                     "temperature": 0})
-                wall = time.perf_counter() - t0
-                res.raise_for_status()
-            if r >= 2:
-                server_ms.append(ttft.ms)
-                client_ms.append(1e3 * wall)
-    return {"tokens": n, "changed": changed, "server_ttft": statistics.median(server_ms),
-            "client": statistics.median(client_ms), "samples_ms": {"server_ttft": server_ms, "client": client_ms}}
+    times, _ = rerequests(n, reps, "/v1/completions", lambda r: {
+        "prompt": base[:n - changed] + [(r + j) % 2000 + 3 for j in range(changed)], "max_tokens": 1,
+        "temperature": 0})
+    return {"tokens": n, "changed": changed} | times
 
 
 def ms(fn) -> float:
