@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +19,13 @@ from ..codegen.kernels import gemm as G
 from ..dims import QWEN25_7B
 from ..runtime import driver
 from .kernels import copy_bandwidth, git_commit
+from .prefill import _time
 from .protocol import write_json
-
-REPS, WARMUP = 20, 3
 
 
 def bench_norm(m: int, stream, rng) -> dict:
-    """rmsnorm_prefill at m rows: median over REPS of a prefill's launches back to back, per launch."""
+    """rmsnorm_prefill at m rows: a prefill's launches back to back, timed as bench.prefill times a kernel, per
+    launch."""
     d = QWEN25_7B
     spec = next(s for s in G.specs_for_model(d, config.default()) if isinstance(s, G.RmsnormPrefillSpec))
     bufs = {"h": driver.DeviceBuffer.from_array(rng.standard_normal((m, d.hidden)).astype(np.float32)),
@@ -34,22 +33,14 @@ def bench_norm(m: int, stream, rng) -> dict:
             "xn": driver.DeviceBuffer(m * d.hidden * 2)}
     fn, launch, launches = driver.load(codegen.build(spec)), spec.launch(m), 2 * d.layers
 
-    def prefill_norms():
+    def prefill_norms(st):
         for _ in range(launches):
-            fn.launch(launch, stream, False, m=m, **bufs)
+            fn.launch(launch, st, False, m=m, **bufs)
     try:
-        for _ in range(WARMUP):
-            prefill_norms()
-        ts = []
-        for _ in range(REPS):
-            a, b = driver.Event().record(stream), driver.Event()
-            prefill_norms()
-            b.record(stream)
-            ts.append(driver.Event.elapsed_ms(a, b) * 1e-3 / launches)
+        t = _time(prefill_norms, stream) / launches   # bench.prefill's timing: median of REPS after WARMUP
     finally:
         for buf in bufs.values():
             buf.free()
-    t = statistics.median(ts)
     return {"uri": spec.uri, "m": m, "s": t, "launches": launches, "bytes": m * d.hidden * 6,
             "GBps": m * d.hidden * 6 / t / 1e9}
 
