@@ -105,11 +105,29 @@ class Multirow:
 
 
 @dataclass(frozen=True)
+class RoleSplits:
+    """K splits per decoder-layer GEMM role."""
+    qkv: int
+    o_proj: int
+    gate_up: int
+    down: int
+
+    def __post_init__(self):
+        for role, n in dataclasses.asdict(self).items():
+            if not 1 <= n <= 8:
+                raise ConfigError(f"splits of {role} must be in 1..8, got {n}")
+
+
+@dataclass(frozen=True)
 class Prefill:
     chunk_tokens: int
     small_m_tokens: int
     attention_block_keys: int
     graph_buckets: tuple[int, ...]
+    gemv_order: bool
+    gemv_order_splits: RoleSplits
+    row_tail_tokens: int
+    wgmma: bool
 
     def __post_init__(self):
         # the prefill kernels' grids cover 1..4096 rows per launch (codegen/kernels/gemm.py: max_m)
@@ -122,6 +140,11 @@ class Prefill:
             raise ConfigError(f"prefill.attention_block_keys must be a positive multiple of 64, "
                               f"got {self.attention_block_keys}")
         # (a bucket above small_m_tokens or the session's chunk is never used: runtime/prefill.py usable_buckets)
+        if self.row_tail_tokens < 0:
+            raise ConfigError(f"prefill.row_tail_tokens must be >= 0, got {self.row_tail_tokens}")
+        if self.wgmma and self.gemv_order:
+            raise ConfigError("prefill.wgmma and prefill.gemv_order exclude each other: a row's arithmetic is "
+                              "the wgmma GEMM's or the tensor-core GEMV's")
         b = self.graph_buckets
         if list(b) != sorted(set(b)) or (b and (b[0] < 1 or b[-1] > 4096)):
             raise ConfigError(f"prefill.graph_buckets must rise strictly within 1..4096, got {list(b)}")

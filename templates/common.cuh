@@ -22,6 +22,11 @@ NQ_DEVICE f16 f32_to_f16_sat(float f) {
 NQ_DEVICE f16x2 f32x2_to_f16x2_sat(float lo, float hi) {
     f16x2 r; asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
+// silu(g) * u in fp32, as the GEMVs' SwiGLU epilogue and the GEMM in their order compute it (one expression:
+// the same bits in both).
+NQ_DEVICE float swiglu(float g, float u) { return g / (1.f + expf(-g)) * u; }
+// Word j of a 16-byte vector (j is a constant once the loops unroll: a register, not a select).
+NQ_DEVICE u32 word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 NQ_DEVICE float f16x2_lo(f16x2 v) { return f16_to_f32((f16)(v & 0xffffu)); }
 NQ_DEVICE float f16x2_hi(f16x2 v) { return f16_to_f32((f16)(v >> 16)); }
 

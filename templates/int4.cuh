@@ -33,6 +33,15 @@ NQ_DEVICE f16x2 int4_pair(u32 w) {
     return HIGH ? hfma2(biased, INT4_SIXTEENTH, INT4_NEG72) : hadd2(biased, INT4_NEG1032);
 }
 
+// Pair P (logical lanes 2P, 2P + 1: inputs 8j + 2P, 2P + 1 of word j) of a ValueShuffle word as half2
+// (q_2P, q_2P+1), exact. ValueShuffle puts lanes 0, 2, 4, 6 at bits 0, 4, 8, 12 and each odd lane 16 bits
+// above its even one: pairs 0 and 1 come from `w`, pairs 2 and 3 from `w_shifted` = w >> 8 (one shift a word).
+template <int P>
+NQ_DEVICE f16x2 int4_word_pair(u32 w, u32 w_shifted) {
+    constexpr bool HIGH = P & 1;
+    return int4_pair<HIGH ? 0x00F000F0u : 0x000F000Fu, HIGH>(P >= 2 ? w_shifted : w);
+}
+
 // lo + hi of a half2, added in fp16 (one HADD2 with operand selects), returned as fp32.
 NQ_DEVICE float hsum2_f32(f16x2 v) {
     float f;

@@ -80,6 +80,36 @@ NQ_DEVICE void mma_16816_first(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
 }
 
+// ---- the group MMAs: one arithmetic for the tensor-core GEMV and the GEMM in its order -----------------
+// gemv_int4 (mma) and gemm_int4 (gemv_order) compute a dot product of a 128-input group alike, so that a
+// row's bits do not depend on which of them ran it: weights as A (integers, unscaled), activations as B,
+// the k index renamed rather than shuffled. Lane 4g + t holds chunk t (inputs 32t .. 32t + 31) of its two
+// weight rows, lo (A row g) and hi (A row g + 8), and of its activation column g (B column g); MMA (word j,
+// half h) puts inputs 32t + 8j + 4h + 0, 1 in k slots 2t, 2t + 1 and + 2, 3 in slots 2t + 8, 2t + 9. The
+// group's 8 MMAs chain from zero in the order (j, h); the caller then adds scale * D in fp32.
+//
+// Word j of a group for one A tile against NB B tiles: MMAs (j, 0) and (j, 1) onto d[nb] (`first`: j = 0,
+// the chain starts from zero). lo, hi: word j of the two weight rows' chunks; xw[nb]: the 8 activations
+// 32t + 8j .. + 7 of B tile nb's column g (its words 2h, 2h + 1 are MMA (j, h)'s B operand).
+template <int NB>
+NQ_DEVICE void group_word_mma(float (&d)[NB][4], u32 lo, u32 hi, const uint4 (&xw)[NB], bool first) {
+    const u32 los = lo >> 8, his = hi >> 8;
+    const f16x2 wl[4] = {int4_word_pair<0>(lo, los), int4_word_pair<1>(lo, los),
+                         int4_word_pair<2>(lo, los), int4_word_pair<3>(lo, los)};
+    const f16x2 wh[4] = {int4_word_pair<0>(hi, his), int4_word_pair<1>(hi, his),
+                         int4_word_pair<2>(hi, his), int4_word_pair<3>(hi, his)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 a[4] = {wl[2 * h], wh[2 * h], wl[2 * h + 1], wh[2 * h + 1]};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const u32 b0 = word(xw[nb], 2 * h), b1 = word(xw[nb], 2 * h + 1);
+            if (first && h == 0) mma_16816_first(d[nb], a, b0, b1);
+            else mma_16816(d[nb], a, b0, b1);
+        }
+    }
+}
+
 // ---- INT4 (ValueShuffle) -> fp16 B fragments -------------------------------------------------------------
 // A packed word holds inputs 8j..8j+7 with lane k at bit [0,16,4,20,8,24,12,28][k]: shifting right by
 // 4p puts lanes (2p, 2p+1) at bits 0 and 16, where int4.cuh's magic-number unpack (one LOP3 + one HADD2,

@@ -25,6 +25,13 @@ NQ_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" 
 // A registers and shared-memory B tiles they used may be overwritten.
 template <int N>
 NQ_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Pins accumulator registers at this point of the program: the compiler sees a wgmma's outputs as ready at
+// its asm statement and could move their readers above wgmma_wait; after the wait, this keeps them below.
+template <int N>
+NQ_DEVICE void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
 // wgmma reads shared memory through the async proxy; data written there by the generic proxy (cp.async
 // to shared, st.shared) must be fenced by every writing thread before the barrier that publishes it:
 // async_copy.cuh's fence_proxy_async_shared.
@@ -41,22 +48,5 @@ NQ_DEVICE u64 wgmma_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFFu) >> 4) | (u64)((lbo & 0x3FFFFu) >> 4) << 16 | (u64)((sbo & 0x3FFFFu) >> 4) << 32;
 }
 
-// ---- the MMA -------------------------------------------------------------------------------------------------
-// d (64x64 f32) += a (64x16 f16, registers) . b (16x64 f16, descriptor; K-major: imm-trans-b 0), issued by the
-// whole warpgroup. scale-d is the predicate p (always on: accumulators start at 0 and every k-step adds, so
-// the K order of each output is the same whatever the tile's row count). One fixed instruction shape:
-// a tile of BM tokens is BM/64 of these, so a token's arithmetic does not depend on BM.
-NQ_DEVICE void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
-        : "memory");
-}
+// The MMA itself (wgmma.mma_async m64nNk16, A from registers) is written in the kernel template for its N:
+// its asm names every one of the N / 2 accumulators.

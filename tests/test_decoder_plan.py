@@ -195,11 +195,11 @@ class FakeKV:
 
 
 def fake_runner(nqfile, monkeypatch, capacity=100, ahead=8, chunk=None, fn=lambda role, spec: FakeFn(spec),
-                kv_tokens=None, graph_buckets=()) -> Runner:
+                kv_tokens=None, graph_buckets=(), cfg=None) -> Runner:
     """The CUDA engine's parts on the fake driver: a SequenceState, a Decoder, a Prefiller when ``chunk``
     is given (else by_steps; with chunk graphs of ``graph_buckets``), and the Runner over them; ``fn(role,
-    spec)`` makes each kernel."""
-    cfg = config.default()
+    spec)`` makes each kernel; ``cfg`` the config (default: config.default())."""
+    cfg = cfg or config.default()
     d = nqfile.dims
     for mod in (memory_mod, state_mod, decoder_mod, prefill_mod, rowstep_mod, chunk_graphs_mod, batchstep_mod):
         monkeypatch.setattr(mod, "driver", FakeDriver)

@@ -1,11 +1,14 @@
 """The wgmma INT4 GEMM (gemm_wgmma) on the CPU: the 7B / tiny-model GEMMs and non-default tiles render and
-compile for sm_90a with no spills and no local memory and their SASS issues HGMMA (with
-`inflight` 1, a per-tile wait that leaves one group running); bad specs are rejected
-with a message naming the field; the grid follows M; and a numpy model of one tile checks the index maps
+compile for sm_90a with no spills and no local memory and their SASS issues HGMMA of the tile's shape (with
+`inflight` 1, a per-chunk wait that leaves one group running); bad specs are rejected
+with a message naming the field; the grid follows M; a numpy model of one tile checks the index maps
 against the PTX ISA rules: X's shared-memory layout read back through the K-major no-swizzle descriptor
 (core matrix rows 16 bytes apart, SBO between 8-token groups, LBO between k halves) is X^T, the copy
 slots cover the tile once with bank-conflict-free 128-byte runs, each lane's nibble-pair dequant lands on
-wgmma's A fragment map, and the SwiGLU row order gives one lane the gate and up of the same output."""
+wgmma's A fragment map, and the SwiGLU row order gives one lane the gate and up of the same output; and a
+model of the producer / consumer ring (its mbarrier phases, parities and lag, as the template writes
+them) runs every interleaving a random scheduler finds without a deadlock, a read of an unpublished tile
+or an overwrite of a tile still in use."""
 
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ def _specs():
     out = W.specs_for_model(QWEN25_7B, CFG) + W.specs_for_model(tiny_dims(), CFG)
     qkv = W.model_gemms(QWEN25_7B)["qkv"]
     gu = W.model_gemms(QWEN25_7B)["gate_up"]
-    out += [replace(qkv, epilogue="f16"), replace(qkv, bm=64), replace(qkv, bm=256, stages=3),
-            replace(qkv, bn=256), replace(qkv, bn=64), replace(gu, bk=128, stages=3),
-            replace(qkv, inflight=0, stages=2), replace(gu, inflight=0)]
+    out += [replace(qkv, epilogue="f16"), replace(qkv, bm=128, bn=128),
+            replace(gu, consumers=1, bn=128), replace(qkv, consumers=1, bn=64, bm=256, stages=4),
+            replace(gu, bk=128, stages=4), replace(qkv, inflight=0, stages=3), replace(gu, inflight=0)]
     return list(dict.fromkeys(out))
 
 
@@ -58,20 +61,23 @@ def test_compiles_without_spills(built, spec):
 @pytest.mark.parametrize("spec", SPECS, ids=[s.uri for s in SPECS])
 def test_sass_uses_warpgroup_mma(built, spec):
     sass = resources.sass(built[spec].cubin)
-    assert "HGMMA.64x64x16.F32" in sass, f"{spec.uri}: no HGMMA.64x64x16.F32 in the SASS"
+    shape = f"HGMMA.64x{spec.bm}x16.F32"
+    assert shape in sass, f"{spec.uri}: no {shape} in the SASS"
     assert "HMMA" not in sass, f"{spec.uri}: mma.sync in the SASS"
     assert "LDL" not in sass and "STL" not in sass, f"{spec.uri}: local memory traffic in the SASS"
-    # the per-tile wait keeps `inflight` groups running (ptxas did not turn it into a full drain)
+    # the per-chunk wait keeps `inflight` groups running (ptxas did not turn it into a full drain)
     waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
     assert waits == ({"0x1", "0x0"} if spec.inflight else {"0x0"}), f"{spec.uri}: wgmma waits {waits}"
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(epilogue="gelu"), "epilogue"), (dict(epilogue="residual", bias=True), "bias"),
-    (dict(bk=32), "bk"), (dict(bm=96), "bm"), (dict(bm=320), "bm"), (dict(bn=32), "bn"),
-    (dict(bn=512), "bn"), (dict(n=4608 + 64), "n"), (dict(k=3584 + 64), "k"), (dict(stages=1), "stages"),
-    (dict(stages=2), "stages"), (dict(inflight=2), "inflight"),
-    (dict(bm=256, bk=128, stages=8), "shared memory"), (dict(max_m=0), "max_m"), (dict(group=96), "group"),
+    (dict(bk=32), "bk"), (dict(bm=96), "bm"), (dict(bm=320), "bm"), (dict(bn=64), "bn"),
+    (dict(bn=512), "bn"), (dict(n=4608 + 64), "n"), (dict(k=3584 + 64), "k"), (dict(stages=2), "stages"),
+    (dict(stages=9), "stages"), (dict(inflight=2), "inflight"), (dict(consumers=3), "consumers"),
+    (dict(bm=256), "accumulators"), (dict(consumers=1, bm=256), "accumulators"),
+    (dict(consumers=1, bn=64, bm=256, bk=128, stages=8), "shared memory"), (dict(max_m=0), "max_m"),
+    (dict(group=96), "group"),
 ])
 def test_bad_specs_are_rejected(kw, field):
     with pytest.raises(SpecError, match=field):
@@ -80,19 +86,34 @@ def test_bad_specs_are_rejected(kw, field):
 
 def test_launch_follows_m():
     s = W.model_gemms(QWEN25_7B)["qkv"]
-    assert s.launch(1) == Launch(grid=(4608 // 128, 1, 1), block=(256, 1, 1), smem=4 * (128 * 64 * 2 + 128 * 64 // 2))
-    assert s.launch(129).grid == (36, 2, 1) and s.launch().grid == (36, 4096 // 128, 1)
-    assert replace(s, bn=64).launch(7).block == (128, 1, 1)
+    ring = 6 * (64 * 64 * 2 + 256 * 64 // 2 + 16)   # six stages of X and W, a full and an empty mbarrier each
+    assert s.launch(1) == Launch(grid=(4608 // 256, 1, 1), block=(384, 1, 1), smem=ring)
+    assert s.launch(65).grid == (18, 2, 1) and s.launch().grid == (18, 4096 // 64, 1)
+    assert replace(s, bn=64, consumers=1).launch(7).block == (256, 1, 1)
     with pytest.raises(SpecError, match="m must be positive"):
         s.launch(0)
 
 
-def test_listed_for_gen_not_in_the_runtime_plan():
-    """The family is in the model's kernel list (nanoqwen-gen) but no runtime role builds it."""
+def test_listed_for_gen_and_in_the_runtime_plan_only_when_asked():
+    """The family is in the model's kernel list (nanoqwen-gen); the runtime's prefill builds it only with
+    prefill.wgmma, and then for every GEMM role of every chunk size (two tiles of one arithmetic: chunk
+    invariance);
+    prefill.wgmma with prefill.gemv_order is refused."""
     from nanoqwen import codegen
+    from nanoqwen.config import ConfigError
     from nanoqwen.runtime import prefill
     assert set(W.specs_for_model(QWEN25_7B, CFG)) <= set(codegen.model_kernels(QWEN25_7B, CFG))
     assert not any(s.family == "gemm_wgmma" for s in prefill.prefill_specs(QWEN25_7B, CFG).values())
+    cfg = replace(CFG, prefill=replace(CFG.prefill, wgmma=True))
+    plan = prefill.prefill_specs(QWEN25_7B, cfg)
+    gemms, short = W.model_gemms(QWEN25_7B), W.model_gemms(QWEN25_7B, small_m=True)
+    for role, spec in gemms.items():
+        assert plan[f"prefill.{role}"] == spec and plan[f"prefill.{prefill.SMALL}{role}"] == short[role]
+        # what orders a row's sum is the instruction's N (bm) and the K walk (bk): the same in both tiles
+        assert (short[role].bm, short[role].bk) == (spec.bm, spec.bk) and short[role].launch(32).grid[0] >= 56
+    assert not any(s.family == "gemm_int4" for s in plan.values())
+    with pytest.raises(ConfigError, match="exclude each other"):
+        replace(CFG.prefill, wgmma=True, gemv_order=True)
 
 
 # ---- numpy model of one tile ----------------------------------------------------------------------------------
@@ -109,7 +130,7 @@ def _descriptor_read(smem: np.ndarray, start: int, lbo: int, sbo: int, n: int) -
     return b
 
 
-@pytest.mark.parametrize("bm,bk", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("bm,bk", [(64, 64), (128, 64), (128, 128)])
 def test_x_layout_is_what_the_descriptor_reads(bm, bk):
     spec = replace(W.model_gemms(QWEN25_7B)["qkv"], bm=bm, bk=bk)
     x = np.random.default_rng(0).standard_normal((bm, bk)).astype(np.float16)
@@ -123,11 +144,9 @@ def test_x_layout_is_what_the_descriptor_reads(bm, bk):
         if i % 8 == 0:   # 8 consecutive slots (one shared-store phase) write 128 contiguous bytes
             assert [spec.x_offset(*spec.x_copy(i + d)) for d in range(8)] == [off + 16 * d for d in range(8)]
     assert len(seen) == bm * bk // 8
-    for kk in range(bk // 16):
-        for i in range(bm // W.MMA_N):
-            start = i * 8 * spec.x_sbo + 2 * kk * spec.x_lbo
-            b = _descriptor_read(smem, start, spec.x_lbo, spec.x_sbo, W.MMA_N)
-            np.testing.assert_array_equal(b, x[64 * i:64 * i + 64, 16 * kk:16 * kk + 16].T)
+    for kk in range(bk // 16):   # one instruction's B: all bm tokens of k-step kk
+        b = _descriptor_read(smem, 2 * kk * spec.x_lbo, spec.x_lbo, spec.x_sbo, bm)
+        np.testing.assert_array_equal(b, x[:, 16 * kk:16 * kk + 16].T)
 
 
 def _int4_pair(word: int, scale: np.float16) -> tuple[np.float16, np.float16]:
@@ -167,3 +186,110 @@ def test_a_fragments_and_swiglu_rows(epilogue):
             for g in range(8):
                 (hg, og), (hu, ou) = rows[16 * warp + g], rows[16 * warp + g + 8]
                 assert (hg, hu) == (0, 1) and og == ou == 8 * warp + g
+
+
+# ---- model of the producer / consumer ring ------------------------------------------------------------------
+
+
+class _Ring:
+    """The template's ring protocol with its own index and parity formulas, one agent per role: the producer
+    warpgroup (its threads act alike; a full barrier's phase completes on its one arrival here), each
+    consumer warpgroup (empty completes on all of their arrivals), plus the hardware's asynchronous events:
+    a cp.async group landing (in commit order) and a wgmma group retiring (in commit order, per warpgroup).
+    mbarrier try_wait.parity(P) succeeds once the phase of parity P completed: with c phases completed,
+    iff c % 2 != P (a fresh barrier passes parity 1: the phase before phase 0)."""
+
+    def __init__(self, spec: W.GemmWgmmaSpec, kt: int, rng):
+        self.s, self.kt, self.rng = spec, kt, rng
+        S, C = spec.stages, spec.consumers
+        self.full_done, self.empty_done = [0] * S, [0] * S        # completed phases
+        self.empty_pending = [0] * S                              # arrivals in the current phase
+        self.slot_tile = [None] * S                               # which tile the slot's copies hold
+        self.landed, self.published = set(), set()
+        self.copies = []                                          # committed, not yet landed
+        self.reading = [dict() for _ in range(C)]                 # warpgroup -> {tile: wgmma groups running}
+        self.inflight = [[] for _ in range(C)]                    # committed wgmma groups, oldest first
+        self.agents = [self._producer()] + [self._consumer(c) for c in range(C)]
+        self.waits = [None] * len(self.agents)                    # the condition an agent is blocked on
+
+    @staticmethod
+    def _passes(done: int, parity: int) -> bool:
+        return done % 2 != parity
+
+    def _producer(self):
+        s, S, lag = self.s, self.s.stages, self.s.lag
+        for kt in range(self.kt):
+            if kt >= lag:   # cp.async.wait_group lag - 1, fence, arrive on full[(kt - lag) % S]
+                yield lambda: len(self.copies) <= lag - 1
+                self._publish(kt - lag)
+            slot = kt % S
+            if kt >= S:
+                yield lambda slot=slot, p=(kt // S - 1) & 1: self._passes(self.empty_done[slot], p)
+                assert all(kt - S not in r for r in self.reading), f"tile {kt} overwrites tile {kt - S} in use"
+            self.slot_tile[slot] = kt
+            self.landed.discard(kt - S)
+            self.copies.append(kt)
+        yield lambda: not self.copies
+        for kt in range(max(self.kt - lag, 0), self.kt):
+            self._publish(kt)
+
+    def _publish(self, kt: int) -> None:
+        assert kt in self.landed, f"tile {kt} published before it landed"
+        self.published.add(kt)
+        self.full_done[kt % self.s.stages] += 1
+
+    def _consumer(self, c: int):
+        S, chunks, inflight = self.s.stages, self.s.bk // 32, self.s.inflight
+        for kt in range(self.kt):
+            slot = kt % S
+            yield lambda slot=slot, p=(kt // S) & 1: self._passes(self.full_done[slot], p)
+            assert self.slot_tile[slot] == kt and kt in self.published, f"consumer {c} reads tile {kt} unpublished"
+            for ch in range(chunks):
+                self.reading[c][kt] = self.reading[c].get(kt, 0) + 1
+                self.inflight[c].append(kt)
+                yield lambda: len(self.inflight[c]) <= inflight   # wgmma.wait_group inflight
+                if inflight == 1 and ch == 0 and kt > 0:
+                    self._release(kt - 1)
+                if inflight == 0 and ch == chunks - 1:
+                    self._release(kt)
+
+    def _release(self, kt: int) -> None:
+        slot = kt % self.s.stages
+        self.empty_pending[slot] += 1
+        if self.empty_pending[slot] == self.s.consumers:
+            self.empty_pending[slot] = 0
+            self.empty_done[slot] += 1
+
+    def run(self) -> None:
+        done = [False] * len(self.agents)
+        while not all(done):
+            moves = [i for i, w in enumerate(self.waits) if not done[i] and (w is None or w())]
+            if self.copies:
+                moves.append("land")
+            moves += [("retire", c) for c in range(self.s.consumers) if self.inflight[c]]
+            assert moves, "deadlock: every agent waits and nothing is in flight"
+            m = moves[self.rng.integers(len(moves))]
+            if m == "land":
+                self.landed.add(self.copies.pop(0))
+            elif isinstance(m, tuple):
+                c = m[1]
+                kt = self.inflight[c].pop(0)
+                self.reading[c][kt] -= 1
+                if not self.reading[c][kt]:
+                    del self.reading[c][kt]
+            else:
+                try:
+                    self.waits[m] = next(self.agents[m])
+                except StopIteration:
+                    done[m] = True
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(inflight=0), dict(consumers=1), dict(stages=3), dict(stages=8),
+                                dict(stages=3, inflight=0), dict(bk=128, stages=4)])
+@pytest.mark.parametrize("kt", [1, 2, 5, 28])
+def test_ring_protocol_has_no_race_and_no_deadlock(kw, kt):
+    spec = replace(W.model_gemms(QWEN25_7B)["qkv"], **kw)
+    spec.validate()
+    rng = np.random.default_rng(kt)
+    for _ in range(30):
+        _Ring(spec, kt, rng).run()

@@ -16,7 +16,8 @@ import yaml
 from nanoqwen import codegen, config, quant
 from nanoqwen.codegen import resources
 from nanoqwen.codegen.gpu import DEFAULT as DEFAULT_GPU
-from nanoqwen.codegen.kernels import gemv
+from nanoqwen.codegen.kernels import gemm, gemv
+from nanoqwen.codegen.render import templates_dir
 from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B, ModelDims
 from nanoqwen.paths import data_path
@@ -120,7 +121,7 @@ def test_sass_budget_dense_tile(role):
 def test_sass_budget_mma_tile(role):
     """The tensor-core tile within the same budget on every role, down included: its 4 lanes split
     K = 18944's 37 groups a split exactly (no idle lane slots), and the partial last batch loads nothing."""
-    spec = gemv.role_spec(role, QWEN25_7B, CFG, **{**gemv.MMA_TEST_TILE, "unroll": 4, "prefetch": False})
+    spec = gemv.role_spec(role, QWEN25_7B, CFG, **{**gemv.MMA_TILE, "unroll": 4, "prefetch": False})
     n, ops = _loop_cost(spec)
     per_weight = n / (spec.mats * spec.rows * 32 * spec.unroll_eff)
     print(f"{role} mma: {n} SASS / {spec.mats * spec.rows * 32 * spec.unroll_eff} weights = {per_weight:.3f}; "
@@ -228,6 +229,16 @@ def test_multirow_spec_keeps_what_decides_a_rows_order(dims, role):
         assert hint in codegen.render(spec)
 
 
+def test_static_shared_memory_is_bounded():
+    """The split-K totals of a 16-row tensor-core gate_up of 16 warps (2 x 16 x 512 fp32 = 64 KB) exceed the
+    48 KB of static shared memory: refused by validate(), not by ptxas. The estimate bounds ptxas's figure."""
+    one = gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=4, splitk=4, unroll=1)
+    with pytest.raises(SpecError, match="static shared memory"):
+        gemv.multirow_spec(one, 16, CFG, tile=dict(rows=4, warps=16, unroll=1, prefetch=False))
+    for spec in (one, gemv.multirow_spec(one, 16, CFG)):
+        assert codegen.build(spec).resources.shared_static <= spec.static_smem_bytes + 1024   # + the reservation
+
+
 @pytest.mark.parametrize("role", gemv.ROLES)
 def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
     """A tuned m-row tile (gemv.MULTIROW_TILE) re-tiles rows, warps, unroll and the batch prefetch; the order
@@ -248,13 +259,16 @@ def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
 
 @pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])
 def test_rmsnorm_sum_has_one_layout_whatever_the_block(warps):
-    """The RMSNorm prologue sums squares over NORM_THREADS = 128 virtual threads: a block of 128 threads
-    sums in registers, any other block hands each vector's square sum to its virtual thread through shared
-    memory. Both use the one sq8 expression (how a layout could round differently is what the GPU tests
-    compare bitwise: m-row kernels of other warps against the m = 1 kernel)."""
+    """The RMSNorm prologue sums squares over the NORM_THREADS = 128 virtual threads of rmsnorm.cuh (the
+    layout rmsnorm_prefill runs with one thread each): a block of 128 threads sums in registers, any other
+    block hands each vector's square sum to its virtual thread through shared memory. Both use the one sq8
+    expression (how a layout could round differently is what the GPU tests compare bitwise: m-row kernels of
+    other warps against the m = 1 kernel, rmsnorm_prefill + GEMM against the GEMV)."""
+    header = (templates_dir() / "rmsnorm.cuh").read_text()
+    assert f"constexpr int NORM_THREADS = {gemm.NORM_THREADS};" in header
     spec = dataclasses.replace(gemv.role_spec("gate_up", QWEN25_7B, CFG), warps=warps)
     src = codegen.render(spec)
-    assert "constexpr int NORM_THREADS = 128;" in src and src.count("sq8(ha[j], hb[j])") == 2
+    assert '#include "rmsnorm.cuh"' in src and src.count("sq8(ha[j], hb[j])") == 2
     built = codegen.build(spec)
     assert not built.resources.spill_stores and built.resources.shared_static >= (0 if warps == 4 else 4 * 3584 // 8)
 

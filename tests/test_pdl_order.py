@@ -15,7 +15,7 @@ import pytest
 
 from nanoqwen import codegen, config
 from nanoqwen.codegen import resources
-from nanoqwen.codegen.kernels import attention, embed, gemv
+from nanoqwen.codegen.kernels import attention, embed, gemm, gemv
 from nanoqwen.dims import QWEN25_7B
 
 CFG = config.default()
@@ -44,3 +44,12 @@ def test_gemv_activations_after_the_wait(spec):
     assert any("LDG.E.NA.128.CONSTANT" in ln for ln in early), f"{spec.uri}: no weight load issued before the wait"
     strong = [ln.strip() for ln in early if "LDG" in ln and "STRONG" in ln]
     assert not strong, f"{spec.uri}: activation loads before griddepcontrol.wait: {strong[:4]}"
+
+
+def test_rmsnorm_prefill_reads_h_after_the_wait():
+    """The prefill norm reads the residual the previous kernel wrote: coherent loads, none above the wait."""
+    spec = gemm.RmsnormPrefillSpec(hidden=QWEN25_7B.hidden, eps=QWEN25_7B.rms_eps)
+    early = [ln.strip() for ln in _before_wait(spec) if "LDG" in ln]
+    assert not early, f"{spec.uri}: global loads before griddepcontrol.wait: {early[:4]}"
+    sass = resources.sass(codegen.build(spec).cubin)
+    assert "STRONG" in sass, f"{spec.uri}: h not read with coherent (ld_act) loads"

@@ -7,6 +7,7 @@ host logic over a prefill that is not the decode step, with prefix reuse."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -281,6 +282,65 @@ def test_chunk_graph_sequences(nqfile, monkeypatch):
                 if name in args:
                     assert args[name] == b, f"{role}.{name}"
         assert seq[0][2]["tokens"] == gin + 8
+
+
+def test_short_chunks_run_row_gemvs_in_gemv_order(nqfile, monkeypatch):
+    """With prefill.gemv_order, a chunk of at most 16 rows runs each norm + GEMM of a layer as one row GEMV
+    of the smallest bucket of 8 or 16 rows that holds it (the norm fused, K split as the GEMM splits it),
+    kernel by kernel and in its graph; a longer chunk runs rmsnorm_prefill and the GEMV-order GEMMs. Every
+    launch matches its kernel's signature, and the GEMVs read and write the buffers the GEMMs would."""
+    base = config.default()
+    cfg = replace(base, prefill=replace(base.prefill, gemv_order=True))
+    log = []
+    run = fake_runner(nqfile, monkeypatch, capacity=700, chunk=32, fn=lambda role, spec: RecFn(role, log), cfg=cfg,
+                      graph_buckets=BUCKETS)
+    pre, kernels, w, b = run.prefiller, run.decoder.kernels, run.shared.weights, run.prefiller.bufs
+    assert pre.row_buckets == [8, 16]
+    for r in ("qkv", "o_proj", "gate_up", "down"):
+        one, gm = kernels[f"prefill.rows16.{r}"][0], kernels[f"prefill.{r}"][0]
+        assert one.mma and one.m == 16 and one.splitk == gm.splits and gm.gemv_order
+        assert kernels[f"prefill.small.{r}"][0].gemv_order
+    run.prefill(list(range(1, 45)), 0, read_token=True)   # chunks of 32 and 12 rows, kernel by kernel
+    layers = nqfile.dims.layers
+    gemv_layer = ["rows16.qkv", "rope_append", "attention", "rows16.o_proj", "rows16.gate_up", "rows16.down"]
+    roles = [r for r, *_ in log]
+    first = roles.index("prefill.embed", 1)
+    assert roles[:first] == chunk_roles(0, 32, layers)
+    assert [r.removeprefix("prefill.") for r in roles[first + 1:-1]] == gemv_layer * layers
+    for i in range(layers):
+        L = f"L{i}."
+        layer = dict(zip(gemv_layer, log[first + 1 + len(gemv_layer) * i:]))
+        for role, launch, pdl, args in layer.values():
+            spec = kernels[role][0]
+            assert pdl and set(args) == {name for name, _ in spec.signature}, role
+        qkv, o, gu, down = (layer[r][3] for r in gemv_layer if r.startswith("rows"))
+        assert (qkv["h"], qkv["norm_w"], qkv["w0"], qkv["bias"], qkv["y"]) == \
+            (b.h, w.ptr(L + "input_norm"), w.ptr(L + "qkv.packed"), w.ptr(L + "qkv.bias"), b.qkv)
+        assert (o["x"], o["w0"], o["y"]) == (b.o16, w.ptr(L + "o.packed"), b.h)
+        assert (gu["h"], gu["norm_w"], gu["w0"], gu["w1"], gu["s1"], gu["y"]) == \
+            (b.h, w.ptr(L + "post_norm"), w.ptr(L + "gate.packed"), w.ptr(L + "up.packed"), w.ptr(L + "up.scales"), b.a16)
+        assert (down["x"], down["w0"], down["y"]) == (b.a16, w.ptr(L + "down.packed"), b.h)
+    assert pre.graphs.buckets == [8, 16, 32]
+    for bucket in pre.graphs.buckets:   # the graphs: 8 and 16 rows as row GEMVs, 32 as GEMMs
+        seq = [role for role, _, _ in pre.graphs.sequences[bucket]]
+        assert ("rows%d.qkv" % bucket in seq) == (bucket <= 16) and ("small.qkv" in seq) == (bucket > 16)
+
+
+def test_a_short_tail_is_cut_into_row_gemv_chunks(nqfile, monkeypatch):
+    """prefill.row_tail_tokens: a last chunk above the largest row-GEMV bucket (16) and at most that many
+    rows becomes chunks of 16 (the last shorter); other chunks, and every chunk without row GEMVs, stay."""
+    base = config.default()
+    cfg = replace(base, prefill=replace(base.prefill, gemv_order=True))
+    pre = fake_runner(nqfile, monkeypatch, capacity=700, chunk=512, cfg=cfg, graph_buckets=BUCKETS).prefiller
+    pre.row_tail_tokens = 32
+    assert pre._cut_tail([(0, 512), (512, 30)]) == [(0, 512), (512, 16), (528, 14)]
+    assert pre._cut_tail([(7, 32)]) == [(7, 16), (23, 16)]
+    for parts in ([(0, 33)], [(0, 16)], [(0, 512), (512, 9)]):
+        assert pre._cut_tail(parts) == parts
+    pre.row_tail_tokens = 0
+    assert pre._cut_tail([(0, 30)]) == [(0, 30)]
+    fold = fake_runner(nqfile, monkeypatch, capacity=700, chunk=512, graph_buckets=BUCKETS).prefiller
+    assert fold.row_buckets == [] and fold._cut_tail([(0, 30)]) == [(0, 30)]
 
 
 class FakeGraph:

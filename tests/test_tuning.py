@@ -14,6 +14,7 @@ from nanoqwen.codegen.kernels import gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.codegen import tuned
 from nanoqwen.codegen import tuned_store as store
+from nanoqwen.codegen.spec import SpecError
 from nanoqwen.tuning import space
 
 CFG = config.default()
@@ -29,6 +30,19 @@ def test_candidates_are_valid_distinct_and_start_with_the_default(role):
         assert (spec.n, spec.k) == gemv.role_shape(role, QWEN25_7B)
     assert ruled_out > 0   # e.g. rows that do not divide the shape, too many loads in flight
     assert any(s.splitk > 1 for s in cands)   # every epilogue takes K splits (split 0 applies it)
+    for spec in cands[1:]:   # a stored m = 1 tile must re-tile for every multirow bucket: the decoder builds them
+        for m in CFG.multirow.buckets:
+            gemv.multirow_spec(spec, m, CFG)
+
+
+def test_tiles_the_multirow_step_cannot_retile_are_ruled_out():
+    """A tensor-core down GEMV with one split stages all 18944 inputs of each of 16 rows (606 KB): valid at
+    m = 1, impossible at m = 16, so no sweep may store it."""
+    one = gemv.role_spec("down", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, splitk=1, unroll=1)
+    with pytest.raises(SpecError, match="rows of x"):
+        gemv.multirow_spec(one, max(CFG.multirow.buckets), CFG)
+    cands, _ = space.gemv_candidates("down", QWEN25_7B, CFG, names=("gemv_int4_mma",))
+    assert one not in cands and all(s.splitk > 1 for s in cands[1:] if s.mma)
 
 
 def test_the_kernel_run_now_competes_second():

@@ -2,8 +2,10 @@
 M = 512 and 4096 against the dense fp16 rate of the same device measured in the same run (torch.matmul
 fp16 of the same [M, K] x [K, N] shape, cuBLAS; skipped when torch is absent), each shape also with the
 tile VARIANTS below (tuning data: the spec fields to pick per shape), then the wgmma GEMM (gemm_wgmma,
-issue 23; not used by the runtime yet) on the same shape with `inflight` 1 and 0, plus the causal prefill
-attention and the projected prefill time of the 28 layers (default mma.sync tiles).
+issue 23; the runtime's with prefill.wgmma) on the same shape with its WGMMA_VARIANTS, then the GEMM in the
+tensor-core GEMV's order (gemm.py gemv_order, ORDER_VARIANTS), plus the causal prefill attention and the
+projected prefill time of the 28 layers (default mma.sync tiles), and the GEMV order's row GEMVs of a chunk
+of 8 or 16 rows beside the decode step's GEMVs (bench_row_gemvs).
 
 A chunk of at most ``prefill.small_m_tokens`` rows (an editor's tail, issue 21) is timed from the small-M
 tiles instead (``gemm.model_gemms(small_m=True)``) with SMALL_VARIANTS beside them, each row also reporting
@@ -28,13 +30,16 @@ from dataclasses import replace
 import numpy as np
 
 from .. import codegen, config, quant
+from ..codegen import tuned
 from ..codegen.kernels import attention_prefill as AP
 from ..codegen.kernels import gemm as G
 from ..codegen.kernels import gemm_wgmma as GW
+from ..codegen.kernels import gemv
 from ..codegen.spec import SpecError
 from ..dims import QWEN25_7B
 from ..runtime import driver
-from .kernels import git_commit
+from . import kernels as kbench
+from .gemv_case import GemvCase
 
 REPS = 20
 WARMUP = 3
@@ -42,10 +47,28 @@ WARMUP = 3
 VARIANTS = ({}, dict(bm=64, min_blocks=2), dict(bk=128, stages=3), dict(bm=64, bn=64, warps_n=2, min_blocks=3),
             dict(stages=3), dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
             dict(split_k=2), dict(split_k=4))   # split_k: residual GEMMs only
+# The warp-specialized wgmma GEMM: its default tile, the drain-every-chunk fallback, one consumer warpgroup
+# of two row blocks, 64-token instructions over 256 weight rows (more FLOPs per byte of X from L2), a
+# deeper ring; then the same 64-token instruction over 128 and 64 weight rows, for short chunks: bn and the
+# consumer count leave a row's K chain as it is, so a chunk may pick them by M and keep its bits (with
+# bm 64 x bn 256, a 32-row tail runs 14-18 CTAs for qkv, o_proj and down: the 14.6 ms re-request)
+WGMMA_VARIANTS = ({}, {"inflight": 0}, {"consumers": 1}, {"bm": 64, "bn": 256}, {"stages": 8},
+                  {"bm": 64, "bn": 128}, {"bm": 64, "bn": 64, "consumers": 1})
 # Small-M tile variants (the first is the small-M default; invalid ones for a shape are skipped).
 SMALL_VARIANTS = ({}, dict(bn=64), dict(bn=128), dict(bn=64, warps_n=8), dict(bm=32, warps_m=2),
                   dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128),
                   dict(split_k=2), dict(split_k=4))
+# The GEMV-order GEMMs (gemm.py gemv_order, the splits of prefill.gemv_order_splits), tiles beside their
+# defaults (gemm.GEMV_ORDER_TILES, GEMV_ORDER_SMALL_M_TILES); every tile keeps a row's bits.
+ORDER_VARIANTS = ({}, dict(stages=3), dict(stages=6), dict(bm=128, warps_m=4, bn=64, warps_n=2),
+                  dict(bm=64, warps_m=4, bn=128, warps_n=2), dict(bm=32, warps_m=1))
+# The row GEMVs of a short chunk in the GEMV order (bench_row_gemvs): tiles beside gemv.MMA_TILE.
+# multirow_spec keeps a short chunk's grid to one wave of the CTAs its staged x lets an SM hold, which at
+# m = 16 leaves gate_up 74 CTAs of 255 registers on the 132 SMs: hence the tiles_per_warp 1 rows.
+ROW_VARIANTS = ({}, {"warps": 4}, {"warps": 2}, {"splitk": 2}, {"splitk": 4}, {"warps": 2, "splitk": 4},
+                {"tiles_per_warp": 1}, {"tiles_per_warp": 1, "warps": 4, "prefetch": False})
+SMALL_ORDER_VARIANTS = ({}, dict(stages=4), dict(stages=8), dict(bn=128, warps_n=4), dict(bm=32, bn=128, warps_n=4),
+                        dict(bm=16, warps_m=2, bn=64, warps_n=2))
 
 
 def _time(call, stream) -> float:
@@ -131,25 +154,33 @@ def bench_attention(n: int, stream, rng) -> dict:
     return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
 
 
+def _tiles(default, variants, role: str, m: int):
+    """(spec, variant) for each variant this shape can take; the others are printed as skipped."""
+    for kw in variants:
+        try:
+            spec = replace(default, **kw)
+            spec.validate()
+        except SpecError as e:   # a tile this shape cannot take (the copies must split evenly, ...)
+            print(f"{role:8s} M={m:5d} {str(kw):45s} skipped: {e}", flush=True)
+            continue
+        yield spec, kw
+
+
 def run(ms=(32, 512, 4096)) -> dict:
+    """Every section; ``ms=()``: the row GEMVs alone."""
     stream, rng = driver.Stream(), np.random.default_rng(0)
     cfg = config.default()
     group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
     wgmmas = GW.model_gemms(QWEN25_7B, group)
-    out = {"kind": "nanoqwen-bench-prefill", "gpu": driver.device().props.name, "commit": git_commit(),
+    out = {"kind": "nanoqwen-bench-prefill", "gpu": driver.device().props.name, "commit": kbench.git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gemm": [], "wgmma": [], "attention": []}
+           "gemm": [], "wgmma": [], "gemv_order": [], "attention": []}
     for m in ms:
         tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
                            else (G.model_gemms(QWEN25_7B, group), VARIANTS))
+        orders = G.config_gemms(QWEN25_7B, cfg, small_m=m <= small, gemv_order=True)
         for role, default in tiles.items():
-            for kw in variants:
-                try:
-                    spec = replace(default, **kw)
-                    spec.validate()
-                except SpecError as e:   # a tile this shape cannot take (the copies must split evenly, ...)
-                    print(f"{role:8s} M={m:5d} {str(kw):45s} skipped: {e}", flush=True)
-                    continue
+            for spec, kw in _tiles(default, variants, role, m):
                 r = bench_gemm(spec, m, stream, rng, with_fp16=not kw) | {"role": role, "variant": kw}
                 out["gemm"].append(r)
                 if not kw:
@@ -158,14 +189,21 @@ def run(ms=(32, 512, 4096)) -> dict:
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
                       f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
                       f"({base})", flush=True)
-            for inflight in (1, 0):   # the wgmma GEMM beside them, against the same fp16 time
-                spec = replace(wgmmas[role], inflight=inflight)
-                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": {"inflight": inflight}}
+            for spec, kw in _tiles(wgmmas[role], WGMMA_VARIANTS, role, m):   # against the same fp16 time
+                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
                 r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
                 out["wgmma"].append(r)
                 vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
-                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'wgmma inflight=' + str(inflight):45s} "
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'wgmma ' + str(kw or 'default'):45s} "
                       f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({vs})", flush=True)
+            for spec, kw in _tiles(orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS, role, m):
+                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
+                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
+                out["gemv_order"].append(r)
+                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'gemv order ' + str(kw or 'default'):45s} "
+                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
+                      f"({vs})", flush=True)
         a = bench_attention(m, stream, rng)
         out["attention"].append(a)
         print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
@@ -173,16 +211,69 @@ def run(ms=(32, 512, 4096)) -> dict:
         print(f"projected prefill of {m} tokens, {QWEN25_7B.layers} layers (GEMMs + attention, no norms/rope): "
               f"{layer * QWEN25_7B.layers * 1e3:.2f} ms", flush=True)
         out[f"projected_pp{m}_ms"] = layer * QWEN25_7B.layers * 1e3
+    out["row_gemv"] = bench_row_gemvs(cfg, stream, rng)
     stream.close()
     return out
+
+
+def bench_row_gemvs(cfg, stream, rng) -> list[dict]:
+    """The GEMV order's row GEMVs of a short chunk (runtime/prefill.py ``rows<m>.<role>``, the norm fused),
+    timed as the decode GEMVs are (bench/kernels.py: graph back to back, weights rotating past L2), beside
+    the decode step's m = 1 kernel of the role: what a 16-row tail costs against a decode step's GEMVs.
+    With ROW_VARIANTS: the staged x (m rows of a K split) bounds the CTAs an SM holds, so fewer warps a CTA
+    or more K splits spread the weight stream over more SMs (a split keeps the chunk's bits only where
+    prefill.gemv_order_splits of the role says the same)."""
+    copy = kbench.copy_bandwidth(stream)["GBps"]
+    blocker = driver.DeviceBuffer(kbench.BLOCKER_BYTES)
+    splits = {r: s.splits for r, s in G.config_gemms(QWEN25_7B, cfg, gemv_order=True).items()}
+    gpu = driver.device().props.name
+    first = {}   # spec -> (m, role, spec, variant): each spec timed once, under its first variant's name
+    for m in (1, *(b for b in cfg.prefill.graph_buckets if b <= gemv.MAX_M)):
+        for role in gemv.ROLES:
+            if m == 1:   # the decode step's kernel
+                variants = [(tuned.role_spec(role, QWEN25_7B, cfg, gpu), {})]
+            else:
+                row = gemv.prefill_row_spec(role, QWEN25_7B, cfg, m, splits[role])
+                variants = _tiles(row, ROW_VARIANTS, role, m)
+            for spec, kw in variants:
+                first.setdefault(spec, (m, role, spec, kw))
+    tiles = list(first.values())
+    built = codegen.build_many([spec for _, _, spec, _ in tiles])
+    rows = []
+    try:
+        for (m, role, spec, kw), b in zip(tiles, built):
+            if b.resources.spill_stores or b.resources.local_bytes:
+                print(f"row GEMV {role:8s} m={m:2d} {str(kw):30s} skipped: spills", flush=True)
+                continue
+            case = GemvCase(spec, rng, kbench.rotating_copies(spec, cfg.bench.l2_rotate_bytes))
+            try:
+                t = kbench.time_spec(case, driver.load(b), spec, stream, blocker)
+            finally:
+                case.free()
+            r = kbench.row(role, spec, t, copy, case.copies) | {"m": m, "variant": kw}
+            rows.append(r)
+            print(f"row GEMV {role:8s} m={m:2d} {str(kw or ('decode kernel' if m == 1 else 'default')):30s} "
+                  f"{r['graph']['us']:8.2f} us {r['graph']['pct_copy']:5.1f}% of copy, grid {r['grid']}, "
+                  f"{spec.resident_ctas()} CTAs/SM by shared memory", flush=True)
+    finally:
+        blocker.free()
+    for m in sorted({r["m"] for r in rows}):
+        best = {role: min(r["graph"]["us"] for r in rows if r["m"] == m and r["role"] == role) for role in gemv.ROLES}
+        default = sum(r["graph"]["us"] for r in rows if r["m"] == m and not r["variant"])
+        print(f"row GEMVs m={m:2d}, {QWEN25_7B.layers} layers: {default * QWEN25_7B.layers / 1e3:.2f} ms "
+              f"(best tile per role {sum(best.values()) * QWEN25_7B.layers / 1e3:.2f} ms)", flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.prefill", description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, nargs="+", default=[32, 512, 4096],
                    help="prefill rows (tokens; at most prefill.small_m_tokens: the small-M tiles)")
+    p.add_argument("--row-gemvs-only", action="store_true", help="only the short chunk's row GEMVs (no --m)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.row_gemvs_only:
+        args.m = []
     res = run(tuple(args.m))
     if args.json:
         with open(args.json, "w") as f:

@@ -247,6 +247,15 @@ class KernelSpec:
         return spec
 
 
+def whole_splits(k: int, unit: int, most: int) -> int:
+    """The most splits of k, at most `most`, that cut it into whole `unit`s (how a small test model's shapes
+    shrink a configured K split)."""
+    splits = most
+    while splits > 1 and k % (unit * splits):
+        splits -= 1
+    return splits
+
+
 def cpp_params(params) -> str:
     """The C++ parameter list, one parameter per line (the template writes ``entry(`` before it)."""
     return "\n" + ",\n".join(f"        {p.declaration()}" for p in params)

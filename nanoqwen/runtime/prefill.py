@@ -13,6 +13,12 @@ kernel waits before touching what its predecessor wrote):
                   (the GEMMs with small-M tiles when n <= prefill.small_m_tokens: a prefix-reuse tail; such
                   a chunk's attention is split-KV where its keys span 2 key blocks or more,
                   attention_prefill -> attention_prefill_combine -> o16)
+With ``prefill.gemv_order`` the GEMMs compute in the tensor-core GEMV's order (codegen/kernels/gemm.py), and
+a chunk of at most 16 rows (a graph bucket's) runs each norm + GEMM as one row GEMV of that bucket instead
+(gemv_int4 with mma, the norm fused: ``prefill.rows<m>.<role>``), the same bits at decode-GEMV speed; a
+last chunk of up to ``prefill.row_tail_tokens`` rows is cut into such chunks. With ``prefill.wgmma`` every
+GEMM is the wgmma GEMM (codegen/kernels/gemm_wgmma.py), short chunks in a tile of more CTAs with the same
+bits a row.
 Every kernel computes a row with arithmetic that does not depend on the chunk around it (DESIGN.md section
 12; docs/architecture.md, "Chunk invariance"), so a position's K/V and logits are the same bits whether
 it was prefilled cold in a long chunk, in a short tail or reused from the prefix cache.
@@ -32,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
-from ..codegen.kernels import attention_prefill, embed_prefill, gemm
+from ..codegen.kernels import attention_prefill, embed_prefill, gemm, gemm_wgmma, gemv
 from . import driver
 from .chunk_graphs import ChunkGraphs, graph_input_bytes
 from .driver import check, cu
@@ -40,6 +46,7 @@ from .memory import Buffers
 
 SMALL = "small."   # role prefix of the small-M GEMMs
 GRAPH = "graph."   # role prefix of the device_chunk kernels a chunk graph replays
+ROWS = "rows"      # role prefix of the row GEMVs of a chunk bucket: rows<m>.<role>
 
 
 def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
@@ -53,7 +60,6 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
     norm = next(s for s in gemm.specs_for_model(dims, cfg) if isinstance(s, gemm.RmsnormPrefillSpec))
     rope, attn = attention_prefill.prefill_attention_specs(dims, cfg, profile)
     split_attn, combine = attention_prefill.split_kv_specs(dims, cfg, profile)
-    g = cfg.quant.group_size
     graph = {}
     if cfg.prefill.graph_buckets:
         g_rope = attention_prefill.prefill_attention_specs(dims, cfg, profile, device_chunk=True)[0]
@@ -61,10 +67,29 @@ def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
         graph = {f"prefill.{GRAPH}rope_append": g_rope, f"prefill.{GRAPH}attention": g_attn,
                  f"prefill.{GRAPH}attention_combine": g_combine}
     return {"prefill.embed": embed_prefill.specs_for_model(dims, cfg)[0], "prefill.rmsnorm": norm,
-            **{f"prefill.{r}": s for r, s in gemm.model_gemms(dims, g, profile).items()},
-            **{f"prefill.{SMALL}{r}": s for r, s in gemm.model_gemms(dims, g, profile, small_m=True).items()},
+            **{f"prefill.{r}": s for r, s in _gemms(dims, cfg, profile, small_m=False).items()},
+            **{f"prefill.{SMALL}{r}": s for r, s in _gemms(dims, cfg, profile, small_m=True).items()},
             "prefill.rope_append": rope, "prefill.attention": attn, f"prefill.{SMALL}attention": split_attn,
-            f"prefill.{SMALL}attention_combine": combine, **graph}
+            f"prefill.{SMALL}attention_combine": combine, **graph, **row_gemv_specs(dims, cfg, profile)}
+
+
+def _gemms(dims, cfg, profile: GpuProfile, small_m: bool) -> dict:
+    """The prefill GEMMs by role: the config's gemm_int4 tiles (small-M ones for short chunks), or with
+    ``prefill.wgmma`` the wgmma GEMM's tiles, whose rows are the same bits in either (one instruction, one K
+    walk: a chunk of 7 rows computes each row as a chunk of 512 does)."""
+    if cfg.prefill.wgmma:
+        return gemm_wgmma.model_gemms(dims, cfg.quant.group_size, profile, small_m=small_m)
+    return gemm.config_gemms(dims, cfg, profile, small_m=small_m)
+
+
+def row_gemv_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
+    """``prefill.rows<m>.<role>``: with ``prefill.gemv_order``, for each graph bucket m of at most 16 rows
+    (gemv.MAX_M) and each role, the tensor-core row GEMV whose rows are the GEMV-order GEMM's (its splits)."""
+    if not cfg.prefill.gemv_order:
+        return {}
+    gemms = gemm.config_gemms(dims, cfg, profile)
+    return {f"prefill.{ROWS}{m}.{r}": gemv.prefill_row_spec(r, dims, cfg, m, gemms[r].splits, profile)
+            for m in cfg.prefill.graph_buckets if m <= gemv.MAX_M for r in gemms}
 
 
 def gemm_role(role: str, rows: int, small_m_tokens: int) -> str:
@@ -123,10 +148,13 @@ class Prefiller:
     ``bufs`` is the ``buffer_bytes`` table allocated (by default here). Never waits for the GPU."""
 
     def __init__(self, shared, kernels: dict, chunk_tokens: int, small_m_tokens: int, bufs: Buffers | None = None,
-                 graph_buckets=()):
+                 graph_buckets=(), row_tail_tokens: int = 0):
         self.shared, self.dims, self.kernels = shared, shared.dims, kernels
         self.chunk_tokens, self.small_m_tokens, self.capacity = chunk_tokens, small_m_tokens, shared.capacity
         self.block_keys = kernels["prefill.attention"][0].block_keys
+        self.row_buckets = sorted({spec.m for role, (spec, _) in kernels.items()   # chunks as row GEMVs
+                                   if role.startswith("prefill." + ROWS) and spec.m <= chunk_tokens})
+        self.row_tail_tokens = row_tail_tokens if self.row_buckets else 0
         buckets = usable_buckets(graph_buckets, small_m_tokens, chunk_tokens)
         self.bufs = bufs or Buffers(buffer_bytes(self.dims, chunk_tokens, self.capacity, small_m_tokens,
                                                  self.block_keys, buckets))
@@ -172,23 +200,42 @@ class Prefiller:
         sh, b = self.shared, self.bufs
         W, kv, h = sh.weights.ptr, sh.kv, b.h
         g = GRAPH if "chunk" in pos else ""
+        rows = next((m for m in self.row_buckets if m >= n), 0)   # the GEMMs as row GEMVs of `rows` rows
 
-        def mm(role, x, w, s_, y, w2=0, s2=0, bias=0):
+        def mm(role, w, s_, y, x=None, norm=None, w2=0, s2=0, bias=0):
+            """The layer's GEMM `role` of x, or of rmsnorm(h) with weight `norm`: one row GEMV (norm fused)
+            or [rmsnorm_prefill,] GEMM."""
+            if rows:
+                emit(f"{ROWS}{rows}.{role}", w0=w, s0=s_, y=y, **(dict(h=h, norm_w=norm) if norm else dict(x=x)),
+                     **(dict(w1=w2, s1=s2) if w2 else {}), **(dict(bias=bias) if bias else {}))
+                return
+            if norm:
+                emit("rmsnorm", n, h=h, w=norm, xn=b.xn, m=n)
+                x = b.xn
             emit(gemm_role(role, n, self.small_m_tokens), n, x=x, w=w, s=s_, w2=w2, s2=s2, bias=bias, y=y, m=n)
 
         emit("embed", n, tokens=tokens, embed=W("embed"), h=h, err=sh.bufs.err, n=n)
         for i in range(self.dims.layers):
             L = f"L{i}."
-            emit("rmsnorm", n, h=h, w=W(L + "input_norm"), xn=b.xn, m=n)
-            mm("qkv", b.xn, W(L + "qkv.packed"), W(L + "qkv.scales"), b.qkv, bias=W(L + "qkv.bias"))
+            mm("qkv", W(L + "qkv.packed"), W(L + "qkv.scales"), b.qkv, norm=W(L + "input_norm"),
+               bias=W(L + "qkv.bias"))
             emit(g + "rope_append", n, qkv=b.qkv, rope_cos=sh.bufs.cos, rope_sin=sh.bufs.sin,
                  page_table=kv.page_table, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i), **pos)
             self._attention(emit, i, n, pos)
-            mm("o_proj", b.o16, W(L + "o.packed"), W(L + "o.scales"), h)
-            emit("rmsnorm", n, h=h, w=W(L + "post_norm"), xn=b.xn, m=n)
-            mm("gate_up", b.xn, W(L + "gate.packed"), W(L + "gate.scales"), b.a16,
+            mm("o_proj", W(L + "o.packed"), W(L + "o.scales"), h, x=b.o16)
+            mm("gate_up", W(L + "gate.packed"), W(L + "gate.scales"), b.a16, norm=W(L + "post_norm"),
                w2=W(L + "up.packed"), s2=W(L + "up.scales"))
-            mm("down", b.a16, W(L + "down.packed"), W(L + "down.scales"), h)
+            mm("down", W(L + "down.packed"), W(L + "down.scales"), h, x=b.a16)
+
+    def _cut_tail(self, parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The last chunk, when it has more rows than the largest row-GEMV bucket but at most
+        ``row_tail_tokens``, cut into chunks of that bucket's rows (the last one shorter): each reads the
+        weights once at row-GEMV speed. Chunk invariance makes the cut a choice of speed only."""
+        c0, n = parts[-1]
+        b = self.row_buckets[-1] if self.row_buckets else 0
+        if not b < n <= self.row_tail_tokens:
+            return parts
+        return parts[:-1] + chunks(c0, c0 + n, b)
 
     def graph_rows(self) -> int:
         """The most rows a chunk may have to replay a graph now (0: none; ``replay`` off, not captured,
@@ -207,7 +254,7 @@ class Prefiller:
         self.host_tokens.array(np.int32)[:len(tokens)] = tokens
         check(cu.cuMemcpyHtoDAsync(self.bufs.tokens.ptr, self.host_tokens.ptr, 4 * len(tokens),
                                    self.shared.stream.handle), "prefill tokens")
-        parts = chunks(p0, p1, self.chunk_tokens)
+        parts = self._cut_tail(chunks(p0, p1, self.chunk_tokens))
         graph_rows = self.graph_rows()
         replayed = [(c0, n) for c0, n in parts if n <= graph_rows]
         if replayed:

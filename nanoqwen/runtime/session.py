@@ -94,7 +94,8 @@ class CudaSession:
                                    slots=ahead + 2, bufs=bufs["state"])
         self.decoder = Decoder(self.state, kernels, bufs=bufs["decode"])
         self.prefiller = (Prefiller(self.state, kernels, chunk, pc.small_m_tokens, bufs=bufs["prefill"],
-                                    graph_buckets=pc.graph_buckets) if chunked else None)
+                                    graph_buckets=pc.graph_buckets, row_tail_tokens=pc.row_tail_tokens)
+                          if chunked else None)
         self.rows = RowStep(self.state, {m: {role: kernels[f"m{m}.{role}"] for role in row_specs[m]}
                                          for m in buckets}, bufs=bufs["rows"]) if buckets else None
         self.runner = Runner(self.state, self.decoder, self.prefiller,

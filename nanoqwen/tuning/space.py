@@ -67,13 +67,22 @@ def _product(spaces_: list[dict[str, list]], default, make) -> tuple[list, int]:
     return out, rejected
 
 
+def _retiles(one: gemv.GemvInt4Spec, cfg: config.Config) -> gemv.GemvInt4Spec:
+    """``one`` if the multi-row step can re-tile it for every bucket (the decoder builds them all from the
+    stored m = 1 tile); else SpecError, so that no sweep stores a tile the decoder cannot build."""
+    for m in cfg.multirow.buckets:
+        if m > 1:
+            gemv.multirow_spec(one, m, cfg)
+    return one
+
+
 def gemv_candidates(role: str, dims: ModelDims, cfg: config.Config, names: tuple[str, ...] = TILE_SPACES,
                     current: gemv.GemvInt4Spec | None = None) -> tuple[list[gemv.GemvInt4Spec], int]:
     """(valid candidate specs for `role` over the m = 1 spaces `names`, number ruled out by the spec's
     constraints). The config default is always first and `current` (the kernel this GPU runs now, from its
     tuned entry) second, so a sweep can never end worse than the fallback or than what is stored."""
     cands, rejected = _product(tile_spaces(names), gemv.role_spec(role, dims, cfg),
-                               lambda params: gemv.role_spec(role, dims, cfg, **params))
+                               lambda params: _retiles(gemv.role_spec(role, dims, cfg, **params), cfg))
     if current is not None and current not in cands:
         cands.insert(1, current)
     return cands, rejected

@@ -42,15 +42,15 @@ def packed(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sessions(packed):
-    """(name, eager, context, kv_tokens) -> an open CudaSession (context 512 tokens, a KV pool of one context
-    by default), closed at the end of the run."""
+    """(name, eager, context, kv_tokens, cfg) -> an open CudaSession (context 512 tokens, a KV pool of one
+    context, the default config by default), closed at the end of the run."""
     from nanoqwen.runtime.session import CudaSession
     opened = {}
 
-    def get(name: str, eager: bool = False, context: int = 512, kv_tokens: int | None = None):
-        key = (name, eager, context, kv_tokens)
+    def get(name: str, eager: bool = False, context: int = 512, kv_tokens: int | None = None, cfg=None):
+        key = (name, eager, context, kv_tokens, cfg)
         if key not in opened:
-            opened[key] = CudaSession(packed(name), context, eager=eager, kv_tokens=kv_tokens,
+            opened[key] = CudaSession(packed(name), context, eager=eager, kv_tokens=kv_tokens, cfg=cfg,
                                       log=lambda m: print(m, file=sys.stderr))
         return opened[key]
     yield get

@@ -15,11 +15,15 @@ with no tolerance.
   short ones kernel by kernel): the same K/V pages and last-position logits, bit for bit, on the trained
   small-py model and on a random model with the 7B's layer shapes (28 heads, 4 KV heads, head_dim 128);
 * a tail of 1 .. 64 rows at positions around the key-block boundaries, replayed as a graph and launched
-  kernel by kernel: the same pages and logits, and the graph path really replayed."""
+  kernel by kernel: the same pages and logits, and the graph path really replayed.
+The chunk sizes and the graph replay are checked again with ``prefill.gemv_order`` (GEMMs in the tensor-core
+GEMV's order, chunks of at most 16 rows as row GEMVs: their bits must be the GEMMs') and with
+``prefill.wgmma`` (the wgmma GEMM's one tile per role for every chunk)."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -109,9 +113,18 @@ def assert_same_prefill(got, want, what: str) -> None:
                 raise AssertionError(f"{what}: layer {i} {name} pages differ first at position {pos}")
 
 
+# prefill.gemv_order: the GEMMs in the tensor-core GEMV's order, chunks of <= 16 rows as row GEMVs (and with
+# row_tail_tokens, last chunks of up to 64 rows cut into such chunks)
+GEMV_ORDER = replace(CFG, prefill=replace(CFG.prefill, gemv_order=True))
+GEMV_ORDER_CUT = replace(CFG, prefill=replace(CFG.prefill, gemv_order=True, row_tail_tokens=64))
+WGMMA = replace(CFG, prefill=replace(CFG.prefill, wgmma=True))   # every GEMM the wgmma GEMM, short chunks too
+ORDERS = {"fold": None, "gemv": GEMV_ORDER, "wgmma": WGMMA}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("model", ["small-py", "7b-shapes"])
-def test_any_chunk_size_gives_the_same_bits(sessions, corpus, model):
-    s = sessions(model, context=CONTEXT)
+def test_any_chunk_size_gives_the_same_bits(sessions, corpus, model, order):
+    s = sessions(model, context=CONTEXT, cfg=GEMV_ORDER_CUT if order == "gemv" else ORDERS[order])
     prompt = window(corpus, np.random.default_rng(5), 700) if model == "small-py" else \
         np.random.default_rng(5).integers(0, s.dims.vocab, 700).tolist()
     whole = prefill_in_chunks(s, prompt, CHUNK, True)
@@ -121,11 +134,12 @@ def test_any_chunk_size_gives_the_same_bits(sessions, corpus, model):
                                 f"{model}: chunks of {chunk} ({'graphs' if replay else 'kernel by kernel'})")
 
 
+@pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("model", ["small-py", "7b-shapes"])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 64])
-def test_graph_replay_equals_kernel_by_kernel(sessions, corpus, monkeypatch, model, n):
+def test_graph_replay_equals_kernel_by_kernel(sessions, corpus, monkeypatch, model, n, order):
     """A tail of n rows after a prefix prefilled once, ending before, at and past a key-block boundary."""
-    s = sessions(model, context=CONTEXT)
+    s = sessions(model, context=CONTEXT, cfg=ORDERS[order])
     pre = s.prefiller
     assert pre.graphs.captured and pre.graph_rows() == max(CFG.prefill.graph_buckets)
     replays = []

@@ -1,8 +1,9 @@
-"""GPU unit tests of the wgmma INT4 GEMM (gemm_wgmma, not used by the runtime yet) on the 7B and tiny-model
-shapes of every role (qkv f32 + bias, o_proj / down residual, gate/up SwiGLU) for M in {1, 7, 16, 17, 100,
-512} (with inflight 1, the default, and 0), against the numpy reference (`reference.gemv` on the exactly dequantized weights) on fresh random
+"""GPU unit tests of the wgmma INT4 GEMM (gemm_wgmma; the prefill's GEMMs with prefill.wgmma) on the 7B and
+tiny-model shapes of every role (qkv f32 + bias, o_proj / down residual, gate/up SwiGLU) for M in {1, 7, 16, 17, 100,
+512} (the default tile, inflight 0, one consumer warpgroup), against the numpy reference (`reference.gemv` on the exactly dequantized weights) on fresh random
 data, with tests/gpu/test_gemm.py's buffers, poisoning and tolerances (GEMM_TOL fp32 out, F16_TOL fp16 out);
-plus row invariance: a row's output is bitwise the same at M = 7 and M = 512 (same inputs, same residual)."""
+plus row invariance: a row's output is bitwise the same at M = 7 and M = 512 and in the short chunks' tile
+(same inputs, same residual)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ pytestmark = pytest.mark.gpu
 CFG = config.default()
 MS = (1, 7, 16, 17, 100, 512)
 F16_VARIANT = dict(epilogue="f16")   # the qkv shape with the f16 epilogue (not in the model plan)
-INFLIGHT = (1, 0)   # the default (a k-tile of wgmmas runs past the barrier) and the drain-every-tile fallback
+# the default (two consumer warpgroups, one chunk of wgmmas running while the next is dequantized), the
+# drain-every-chunk fallback, one consumer warpgroup with two row blocks, and the short chunks' tile
+VARIANTS = ({}, {"inflight": 0}, {"consumers": 1, "bn": 128}, W.SMALL_M_TILE)
 
 
-def _role_spec(model: str, role: str, inflight: int = 1) -> W.GemmWgmmaSpec:
-    return replace(W.model_gemms(MODELS[model], CFG.quant.group_size)[role], inflight=inflight)
+def _role_spec(model: str, role: str, variant: dict | None = None) -> W.GemmWgmmaSpec:
+    return replace(W.model_gemms(MODELS[model], CFG.quant.group_size)[role], **(variant or {}))
 
 
 def _specs():
-    specs = [_role_spec(m, r, i) for m in MODELS for r in ROLES for i in INFLIGHT]
+    specs = [_role_spec(m, r, v) for m in MODELS for r in ROLES for v in VARIANTS]
     return specs + [replace(_role_spec(m, "qkv"), **F16_VARIANT) for m in MODELS]
 
 
@@ -46,11 +49,11 @@ def _check(what: str, out: np.ndarray, ref: np.ndarray, tol: float) -> None:
     assert err <= tol, f"{what}: rel error {err:.3e} > {tol}"
 
 
-@pytest.mark.parametrize("inflight", INFLIGHT)
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("role", ROLES)
-def test_gemm_wgmma(fns, model, role, inflight):
-    spec = _role_spec(model, role, inflight)
+def test_gemm_wgmma(fns, model, role, variant):
+    spec = _role_spec(model, role, variant)
     g = Gemm(spec, np.random.default_rng(), max(MS))
     tol = F16_TOL if spec.epilogue == "swiglu" else GEMM_TOL
     for m in MS:
@@ -70,7 +73,8 @@ def test_gemm_wgmma_f16_epilogue(fns, model):
 @pytest.mark.parametrize("role", ROLES)
 def test_rows_do_not_depend_on_m(fns, role):
     """Chunk invariance (DESIGN.md section 12): the first 7 rows computed in a 7-row call and in a 512-row
-    call (other rows, other CTAs along M, a full tile beside them) are the same bits."""
+    call (other rows, other CTAs along M, a full tile beside them) are the same bits, and the first 32 in the
+    short chunks' tile (a 64-row block a CTA, one consumer warpgroup) too."""
     spec = _role_spec("7b", role)
     rng = np.random.default_rng()
     g = Gemm(spec, rng, 512)
@@ -79,3 +83,7 @@ def test_rows_do_not_depend_on_m(fns, role):
     small, _ = g.run(fns[spec], 7, resid)
     assert np.isfinite(big).all()
     np.testing.assert_array_equal(small.view(np.uint8), big[:7].view(np.uint8), err_msg=f"{spec.uri}: M=7 vs M=512")
+    g.spec = short = _role_spec("7b", role, W.SMALL_M_TILE)   # the short chunks' tile, same weights and inputs
+    tail, _ = g.run(fns[short], 32, resid)
+    np.testing.assert_array_equal(tail.view(np.uint8), big[:32].view(np.uint8),
+                                  err_msg=f"{short.uri} (short chunks' tile) M=32 vs {spec.uri} M=512")

@@ -15,6 +15,13 @@ lets X be streamed by cp.async straight from global memory.
 ``split_k`` > 1 (residual only) spreads K over grid z with atomic fp32 adds into y: o_proj and down have
 only N/bn x M/bm CTAs (112 at M=512 on 132 SMs).
 
+``gemv_order``: every output in the order of the tensor-core GEMV (gemv_int4 with ``mma``, split ``splits``
+ways), so that a row of Y is bitwise the row that GEMV makes from the same x, whatever M and the tile:
+weights as the MMA's A operand in integers, per 128-input group a chain of 8 MMAs from zero and one fp32 FMA
+with the scale, the splits' totals added in split order, the GEMV's epilogue (templates/mma.cuh, "the group
+MMAs"). Then bn counts weight rows in 16s per warp and bm tokens in 8s, bk is the group (128), and split_k
+stays 1 (atomic adds have no order). Both fields are late fields: the fold-order kernels keep their names.
+
 ``SMALL_M_TILES`` is the tile set for chunks of a few rows (a prefix-reuse tail, a short prompt): the
 default 128 x 128 tile gives M <= 128 only N/128 CTAs (28 for o_proj/down on 132 SMs), each streaming 128
 weight rows with most of its X rows empty; 16-row tiles waste at most 15 rows and bn 32 gives N/32 x
@@ -29,13 +36,14 @@ Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar, whole_splits
 
 EPILOGUES = ("f32", "residual", "swiglu", "f16")
 
@@ -63,7 +71,8 @@ def check_contract(spec) -> None:
 class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
     template = "gemm_int4.cu.j2"
-    uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages")
+    uri_fields = ("epilogue", "n", "k", "gemv_order", "splits", "bm", "bn", "bk", "stages")
+    late_fields = KernelSpec.late_fields + ("gemv_order", "splits")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("x", "f16"), inp("w", "u32"), inp("s", "f16"), inp("w2", "u32"), inp("s2", "f16"), inp("bias", "f16"),
         out("y", "void"), scalar("m", "int"))
@@ -83,14 +92,26 @@ class GemmInt4Spec(KernelSpec):
     split_k: int = 1         # CTAs along K, partials added atomically (residual epilogue only)
     max_m: int = 4096        # rows the default grid covers (launch(m) sizes it for a call)
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
+    gemv_order: bool = False  # each row bitwise the tensor-core GEMV's (see the module docstring)
+    splits: int = 1           # gemv_order: the GEMV's K splits (its splitk), summed in split order
 
     def validate(self) -> None:
         super().validate()
         check_contract(self)
         f = self.family
-        if self.bm % (16 * self.warps_m) or self.bn % (8 * self.warps_n):
-            raise SpecError(f"{f}: bm must split into warps_m x 16 rows and bn into warps_n x 8 columns "
-                            f"(bm={self.bm}, warps_m={self.warps_m}, bn={self.bn}, warps_n={self.warps_n})")
+        row_m, row_n = (8, 16) if self.gemv_order else (16, 8)
+        if self.bm % (row_m * self.warps_m) or self.bn % (row_n * self.warps_n):
+            raise SpecError(f"{f}: bm must split into warps_m x {row_m} rows and bn into warps_n x {row_n} "
+                            f"columns (bm={self.bm}, warps_m={self.warps_m}, bn={self.bn}, warps_n={self.warps_n})")
+        if self.gemv_order:
+            if self.bk != 128 or self.group != 128 or self.split_k != 1:
+                raise SpecError(f"{f}.gemv_order takes bk = group = 128 and split_k = 1 (got bk={self.bk}, "
+                                f"group={self.group}, split_k={self.split_k})")
+            if not 1 <= self.splits <= 8 or (self.k // self.group) % self.splits:
+                raise SpecError(f"{f}.splits ({self.splits}) must be 1..8 and split k={self.k} on group "
+                                f"boundaries (the GEMV's splitk)")
+        elif self.splits != 1:
+            raise SpecError(f"{f}.splits is the gemv_order's (the GEMV's K splits); without it, 1")
         threads = 32 * self.warps_m * self.warps_n
         if threads > 1024 or (self.bm * self.bk // 8) % threads or (self.bn * self.bk // 32) % threads:
             raise SpecError(f"{f}: {threads} threads must split the bm x bk and bn x bk tile copies evenly")
@@ -129,56 +150,87 @@ class GemmInt4Spec(KernelSpec):
 
 # one warp row of 16 x 8 warp tiles; bk 128 so the 128 threads split both tile copies evenly
 SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4)
+# GEMV order: a lane holds two accumulator sets (the running sum and a group's MMA chain), so a warp tile is
+# half the fold order's: 32 tokens x 32 weight rows (178-198 registers, no spills; the main loop's SASS 5.6
+# instructions an HMMA, 6.8 for down's split sums, against the fold order's 5.2: 16 x 64 was 8.2, each
+# dequantized weight serving half the tokens). A few rows: 16 x 32 (9.4 an HMMA), two warps a CTA, so that
+# qkv's 4608 rows still make 72 CTAs along N, with a deeper ring for the weight stream.
+GEMV_ORDER_TILES = dict(bm=64, bn=128, bk=128, warps_m=2, warps_n=4, stages=4)
+GEMV_ORDER_SMALL_M_TILES = dict(bm=16, bn=64, bk=128, warps_m=1, warps_n=2, stages=6)
 
 
-def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT,
-                small_m: bool = False) -> dict[str, GemmInt4Spec]:
-    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM); with
-    ``small_m`` in SMALL_M_TILES, for chunks of a few rows."""
+def role_shapes(dims: ModelDims) -> dict[str, dict]:
+    """Each prefill GEMM role's N, K and epilogue (q, k, v stacked into one qkv GEMM), for every GEMM family
+    (gemm_int4 here, gemm_wgmma)."""
     h, qkv = dims.hidden, dims.q_dim + 2 * dims.kv_dim
-    kw = dict(group=group, max_smem=gpu.max_smem, **(SMALL_M_TILES if small_m else {}))
-    gate_up_kw = kw | (dict(bn=128) if small_m else {})
-    return {
-        "qkv": GemmInt4Spec(n=qkv, k=h, epilogue="f32", bias=True, **kw),
-        "o_proj": GemmInt4Spec(n=h, k=dims.q_dim, epilogue="residual", **kw),
-        "gate_up": GemmInt4Spec(n=2 * dims.intermediate, k=h, epilogue="swiglu", **gate_up_kw),
-        "down": GemmInt4Spec(n=h, k=dims.intermediate, epilogue="residual", **kw),
-    }
+    return {"qkv": dict(n=qkv, k=h, epilogue="f32", bias=True),
+            "o_proj": dict(n=h, k=dims.q_dim, epilogue="residual"),
+            "gate_up": dict(n=2 * dims.intermediate, k=h, epilogue="swiglu"),
+            "down": dict(n=h, k=dims.intermediate, epilogue="residual")}
+
+
+def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT, small_m: bool = False,
+                gemv_splits: dict[str, int] | None = None) -> dict[str, GemmInt4Spec]:
+    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM); with
+    ``small_m`` in SMALL_M_TILES, for chunks of a few rows; with ``gemv_splits`` ({role: the GEMV's K
+    splits}) in the GEMV order, each split count shrunk to whole groups for small test models."""
+    specs = {}
+    for role, shape in role_shapes(dims).items():
+        kw = dict(group=group, max_smem=gpu.max_smem)
+        if gemv_splits is not None:
+            kw |= dict(gemv_order=True, splits=whole_splits(shape["k"], group, gemv_splits[role]),
+                       **(GEMV_ORDER_SMALL_M_TILES if small_m else GEMV_ORDER_TILES))
+        elif small_m:
+            kw |= SMALL_M_TILES | (dict(bn=128) if role == "gate_up" else {})
+        specs[role] = GemmInt4Spec(**shape, **kw)
+    return specs
+
+
+def config_gemms(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, small_m: bool = False,
+                 gemv_order: bool | None = None):
+    """``model_gemms`` in the order the config's prefill section names (``prefill.gemv_order``, unless
+    ``gemv_order`` says), the GEMV order with its ``prefill.gemv_order_splits``."""
+    p = cfg.prefill
+    gemv_order = p.gemv_order if gemv_order is None else gemv_order
+    return model_gemms(dims, cfg.quant.group_size, gpu, small_m,
+                       dataclasses.asdict(p.gemv_order_splits) if gemv_order else None)
+
+
+# Threads of an RMSNorm row: the virtual threads of the sum's layout (templates/rmsnorm.cuh NORM_THREADS,
+# which the template checks against this).
+NORM_THREADS = 128
 
 
 @dataclass(frozen=True)
 class RmsnormPrefillSpec(KernelSpec):
-    """xn f16 [M, hidden] = f16(rmsnorm(h) * w) for the M rows of a prefill chunk (the GEMMs' X).
-    Parameters: h f32 [M, hidden], w f16 [hidden], xn, m. Grid ``launch(m)``: (m,)."""
+    """xn f16 [M, hidden] = f16(rmsnorm(h) * w) for the M rows of a prefill chunk (the GEMMs' X), in the
+    arithmetic of the decode GEMVs' RMSNorm prologue (templates/rmsnorm.cuh): the same bits for a row.
+    Parameters: h f32 [M, hidden], w f16 [hidden], xn, m. Grid ``launch(m)``: (m,), NORM_THREADS a row."""
     family = "rmsnorm_prefill"
     template = "rmsnorm_prefill.cu.j2"
-    uri_fields = ("hidden", "threads")
+    uri_fields = ("hidden",)
     kernel_params: ClassVar[tuple[Param, ...]] = (
-        inp("h", "float"), inp("w", "f16"), out("xn", "f16"), scalar("m", "int"))
+        inp("h", "float", restrict=False, note="written by the previous kernel: no .nc"), inp("w", "f16"),
+        out("xn", "f16"), scalar("m", "int"))
 
     hidden: int
     eps: float
-    threads: int = 128       # threads per row (hidden / 4 must split evenly over them)
     max_m: int = 4096        # rows the default grid covers
 
     def validate(self) -> None:
         super().validate()
-        if self.threads % 32 or not 32 <= self.threads <= 1024 or self.hidden % (4 * self.threads):
-            raise SpecError(f"{self.family}: hidden ({self.hidden}) must split into float4 columns over "
-                            f"threads ({self.threads}, a multiple of 32)")
+        if self.hidden <= 0 or self.hidden % 8:
+            raise SpecError(f"{self.family}: hidden ({self.hidden}) must be a positive multiple of 8")
         if self.eps <= 0 or self.max_m <= 0:
             raise SpecError(f"{self.family}: eps and max_m must be positive")
 
+    def context(self) -> dict:
+        return super().context() | {"threads": NORM_THREADS}
+
     def launch(self, m: int | None = None) -> Launch:
-        return Launch(grid=(self.max_m if m is None else m, 1, 1), block=(self.threads, 1, 1))
-
-
-def rmsnorm_threads(hidden: int) -> int:
-    """The largest of 256, 128, 64, 32 threads that splits hidden into whole float4 columns."""
-    return next(t for t in (256, 128, 64, 32) if hidden % (4 * t) == 0)
+        return Launch(grid=(self.max_m if m is None else m, 1, 1), block=(NORM_THREADS, 1, 1))
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
-    norm = RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, threads=rmsnorm_threads(dims.hidden))
-    return [*model_gemms(dims, cfg.quant.group_size, gpu).values(),
-            *model_gemms(dims, cfg.quant.group_size, gpu, small_m=True).values(), norm]
+    norm = RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps)
+    return [*config_gemms(dims, cfg, gpu).values(), *config_gemms(dims, cfg, gpu, small_m=True).values(), norm]

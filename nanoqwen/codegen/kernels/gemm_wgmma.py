@@ -1,12 +1,15 @@
 """Prefill INT4 GEMM on Hopper's warpgroup MMA (wgmma, sm_90a): the same contract as ``gemm_int4``
 (kernel parameters, epilogues, launch over M) computed transposed, Y^T = W . X^T: the dequantized INT4
-weight tile is wgmma's A operand in registers (64 weight rows per warpgroup), the fp16 activations its B
-operand in shared memory read through a matrix descriptor (wgmma cannot take B from registers; Machete's
-layout). Not used by the runtime yet (issue 23, first step): ``specs_for_model`` lists it for
-``nanoqwen-gen`` and the compile tests only; the runtime picks its kernels by role in runtime/prefill.py.
+weight tile is wgmma's A operand in registers, the fp16 activations its B operand in shared memory read
+through a matrix descriptor (wgmma cannot take B from registers; Machete's layout). Warp-specialized: a
+producer warpgroup streams X and W k-tiles through a ring of shared-memory stages on mbarriers while
+``consumers`` warpgroups dequantize and keep the tensor cores busy (templates/gemm_wgmma.cu.j2). The
+runtime's prefill runs ``model_gemms`` for every chunk with ``prefill.wgmma`` (off until measured, issue 23;
+runtime/prefill.py); ``specs_for_model`` lists them for ``nanoqwen-gen`` and the compile tests.
 
-Row invariance: one instruction shape (m64n64k16) whatever the tile's token count ``bm``, K walked in order
-by one CTA (no split-K): a token's outputs are the same bits for any M (tests/gpu/test_gemm_wgmma.py).
+Row invariance: one instruction shape (m64n{bm}k16) whatever M, K walked in order by one CTA (no
+split-K): a token's outputs are the same bits for any M and in the short chunks' tile (SMALL_M_TILE)
+(tests/gpu/test_gemm_wgmma.py).
 
 The index maps below (X's shared-memory layout, the SwiGLU row order) are the kernel's, written once here
 and rendered into the template as constants where the template needs numbers; tests/test_gemm_wgmma.py
@@ -21,18 +24,18 @@ from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError
-from .gemm import EPILOGUES, GemmInt4Spec, check_contract
+from .gemm import EPILOGUES, GemmInt4Spec, check_contract, role_shapes
 
 # wgmma's no-swizzle K-major layout: a "core matrix" is 8 rows x 16 bytes stored as 128 contiguous bytes
 CORE_ROWS, CORE_BYTES = 8, 16
-MMA_M, MMA_N, MMA_K = 64, 64, 16     # the one instruction shape: m64n64k16 (rows per warpgroup, tokens, k)
+MMA_M = 64     # wgmma's rows per instruction (a row block); its N is the tile's bm, its K 16
 
 
 @dataclass(frozen=True)
 class GemmWgmmaSpec(KernelSpec):
     family = "gemm_wgmma"
     template = "gemm_wgmma.cu.j2"
-    uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages")
+    uri_fields = ("epilogue", "n", "k", "bm", "bn", "bk", "stages", "consumers")
     kernel_params: ClassVar[tuple[Param, ...]] = GemmInt4Spec.kernel_params   # same contract, same launch packing
 
     n: int                   # GEMM columns (weight rows; 2 x intermediate for swiglu)
@@ -40,11 +43,13 @@ class GemmWgmmaSpec(KernelSpec):
     epilogue: str = "f32"    # one of gemm.EPILOGUES
     bias: bool = False       # add f32(bias) (f32 / f16 epilogues)
     group: int = 128         # inputs per fp16 scale
-    bm: int = 128            # tokens per CTA (a multiple of 64: m64n64k16 instructions side by side)
-    bn: int = 128            # weight rows per CTA (64 per warpgroup)
+    bm: int = 64             # tokens per CTA = the wgmma's N (a multiple of 64, at most 256)
+    bn: int = 256            # weight rows per CTA: consumers x row blocks of 64 (64 x 256 moves the most FLOPs
+                             # per byte of X: the fastest tile on every role at M = 512, perf-notes 2026-12-05)
     bk: int = 64             # reduction step per pipeline stage (64 or 128)
-    stages: int = 4          # cp.async ring depth (stages - 1 - inflight tiles of copies ahead)
-    inflight: int = 1        # k-tiles of wgmmas left running while the next tile is refilled and dequantized
+    stages: int = 6          # shared-memory ring depth (the producer runs stages - 2 tiles ahead)
+    consumers: int = 2       # consumer warpgroups (plus one producer warpgroup)
+    inflight: int = 1        # wgmma groups (16-byte W chunks) left running while the next chunk is dequantized
     max_m: int = 4096        # rows the default grid covers (launch(m) sizes it for a call)
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
 
@@ -52,15 +57,20 @@ class GemmWgmmaSpec(KernelSpec):
         super().validate()
         check_contract(self)
         f = self.family
-        if self.bm <= 0 or self.bm % MMA_N or self.bm > 256:
-            raise SpecError(f"{f}.bm must be 64, 128, 192 or 256 (whole n{MMA_N} instructions), got {self.bm}")
-        if self.bn <= 0 or self.bn % MMA_M or self.bn > 4 * MMA_M:
-            raise SpecError(f"{f}.bn must be 64, 128, 192 or 256 (64 weight rows per warpgroup), got {self.bn}")
+        if self.bm <= 0 or self.bm % 64 or self.bm > 256:
+            raise SpecError(f"{f}.bm must be 64, 128, 192 or 256 (the wgmma's N), got {self.bm}")
+        if self.consumers not in (1, 2):
+            raise SpecError(f"{f}.consumers must be 1 or 2 (warpgroups beside the producer), got {self.consumers}")
+        if self.bn <= 0 or self.bn % (MMA_M * self.consumers) or self.bn > 4 * MMA_M:
+            raise SpecError(f"{f}.bn must be a multiple of {MMA_M * self.consumers} (64-row blocks per consumer "
+                            f"warpgroup) up to 256, got {self.bn}")
+        if self.accumulators > self.max_accumulators:
+            raise SpecError(f"{f}: bm {self.bm} x {self.row_blocks} row blocks needs {self.accumulators} accumulators "
+                            f"a thread, at most {self.max_accumulators} with {self.threads} threads (fewer bm or bn)")
         if self.inflight not in (0, 1):
             raise SpecError(f"{f}.inflight must be 0 or 1 (A fragments are double-buffered), got {self.inflight}")
-        if not 2 + self.inflight <= self.stages <= 8:
-            raise SpecError(f"{f}.stages must be {2 + self.inflight}..8 with inflight {self.inflight} (the ring "
-                            f"holds the computed tile, the running ones and a prefetch), got {self.stages}")
+        if not 3 <= self.stages <= 8:
+            raise SpecError(f"{f}.stages must be 3..8 (the producer runs stages - 2 tiles ahead), got {self.stages}")
         if self.smem_bytes > self.max_smem:
             raise SpecError(f"{f}: {self.smem_bytes} bytes of shared memory > max_smem {self.max_smem} "
                             f"(lower stages, bm, bn or bk)")
@@ -69,11 +79,35 @@ class GemmWgmmaSpec(KernelSpec):
 
     @property
     def threads(self) -> int:
-        return 128 * (self.bn // MMA_M)
+        return 128 * (self.consumers + 1)   # + the producer warpgroup
+
+    @property
+    def row_blocks(self) -> int:
+        """64-row blocks per consumer warpgroup (one wgmma each per k16 step)."""
+        return self.bn // (MMA_M * self.consumers)
+
+    @property
+    def lag(self) -> int:
+        """k-tiles the producer issues past the last one it published: it publishes tile kt at the top of
+        iteration kt + lag, after refilling the slot of tile kt + lag - 1 - stages. The consumers release
+        tile kt - 1 only once they hold tile kt (inflight 1): lag <= stages - 2 leaves them two published
+        tiles of slack and keeps the waits acyclic."""
+        return self.stages - 2
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulator registers per consumer thread: m64n{bm} D is bm / 2 a row block."""
+        return self.row_blocks * self.bm // 2
+
+    @property
+    def max_accumulators(self) -> int:
+        """What the register budget leaves for them beside the A fragments and addresses: ptxas gives every
+        thread 65536 / (32 x the busiest sub-partition's warps) registers, 168 with 12 warps, 255 with 8."""
+        return 64 if self.consumers == 2 else 128
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2)
+        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + 16)   # + full / empty mbarriers
 
     # X's layout in a stage: core matrix (token row group r // 8, 16-byte chunk c) at (r // 8) * sbo + c * lbo
     @property
@@ -105,8 +139,11 @@ class GemmWgmmaSpec(KernelSpec):
         return int(n % 16 >= 8), n // 16 * 8 + n % 8
 
     def context(self) -> dict:
+        acc = self.bm // 2   # the wgmma's D operands: its asm names them one by one
         return super().context() | {"epilogue_id": EPILOGUES.index(self.epilogue),
-                                    "x_lbo": self.x_lbo, "x_sbo": self.x_sbo}
+                                    "x_lbo": self.x_lbo, "x_sbo": self.x_sbo, "lag": self.lag, "acc": acc,
+                                    "wgmma_d": ", ".join(f"%{i}" for i in range(acc)),
+                                    "wgmma_d_bind": ", ".join(f'"+f"(d[{i}])' for i in range(acc))}
 
     def launch(self, m: int | None = None) -> Launch:
         m = self.max_m if m is None else m
@@ -118,18 +155,21 @@ class GemmWgmmaSpec(KernelSpec):
         return 2 * m * self.n * self.k
 
 
-def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT) -> dict[str, GemmWgmmaSpec]:
-    """The four prefill GEMMs of one decoder layer, by role, as in gemm.model_gemms."""
-    h, qkv = dims.hidden, dims.q_dim + 2 * dims.kv_dim
-    kw = dict(group=group, max_smem=gpu.max_smem)
-    return {
-        "qkv": GemmWgmmaSpec(n=qkv, k=h, epilogue="f32", bias=True, **kw),
-        "o_proj": GemmWgmmaSpec(n=h, k=dims.q_dim, epilogue="residual", **kw),
-        "gate_up": GemmWgmmaSpec(n=2 * dims.intermediate, k=h, epilogue="swiglu", **kw),
-        "down": GemmWgmmaSpec(n=h, k=dims.intermediate, epilogue="residual", **kw),
-    }
+# Short chunks (at most prefill.small_m_tokens rows: a prefix-reuse tail) take one 64-row block a CTA, 4x the
+# default tile's CTAs: the same instruction (bm) and K walk (bk), so the same bits a row; bn and the consumer
+# count only choose which CTA computes a weight row.
+SMALL_M_TILE = dict(bn=64, consumers=1)
+
+
+def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT,
+                small_m: bool = False) -> dict[str, GemmWgmmaSpec]:
+    """The four prefill GEMMs of one decoder layer, by role, as in gemm.model_gemms; with ``small_m`` in
+    SMALL_M_TILE. bn 256 where N allows it, else 128 (small test models)."""
+    return {role: GemmWgmmaSpec(**shape, group=group, max_smem=gpu.max_smem,
+                                **(SMALL_M_TILE if small_m else dict(bn=256 if shape["n"] % 256 == 0 else 128)))
+            for role, shape in role_shapes(dims).items()}
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
     """Listed (nanoqwen-gen, compile tests), not launched: the runtime builds only its roles' specs."""
-    return list(model_gemms(dims, cfg.quant.group_size, gpu).values())
+    return [s for small_m in (False, True) for s in model_gemms(dims, cfg.quant.group_size, gpu, small_m).values()]

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from ... import config, quant
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
+from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, whole_splits
+from .gemm import NORM_THREADS
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
 MAX_M = config.MAX_ROWS                         # activation rows of the multi-row step
 SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
+STATIC_SMEM_MAX = 48 * 1024   # a kernel's static __shared__ arrays, at most
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
 
 
@@ -96,6 +98,17 @@ class GemvInt4Spec(KernelSpec):
     def xs_dynamic(self) -> bool:
         """m > 1 stages x in dynamic shared memory (up to 160 KB at m = 16); m = 1 keeps today's static array."""
         return self.m > 1
+
+    @property
+    def static_smem_bytes(self) -> int:
+        """The template's static __shared__ arrays, an upper bound (ptxas drops what a variant leaves
+        unused): the staged x at m = 1, the norm sums (red, sqv), the max |x| bits (xmax) and the split-K
+        totals (part: MATS x m x the CTA's rows, fp32, 35 KB for the 16-row tensor-core gate_up)."""
+        norm_warps = NORM_THREADS // 32
+        cta_rows = self.warps * self.tiles_per_warp * self.tile_rows
+        floats = (self.m * norm_warps + (self.k // 8 if self.norm and 32 * self.warps != NORM_THREADS else 1)
+                  + self.m * self.warps + (self.mats * self.m * cta_rows if self.splitk > 1 else 1))
+        return (16 if self.xs_dynamic else self.xs_bytes) + 4 * floats
 
     def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
         """CTAs per SM the staged x allows (m = 1: not the limit, reported as the shared-memory bound too)."""
@@ -170,6 +183,11 @@ class GemvInt4Spec(KernelSpec):
         if self.xs_bytes > DEFAULT.max_smem:
             raise SpecError(f"{f}: m={self.m} rows of x need {self.xs_bytes} bytes of shared memory > "
                             f"{DEFAULT.max_smem}")
+        if self.static_smem_bytes > STATIC_SMEM_MAX or (
+                self.xs_dynamic and self.xs_bytes + self.static_smem_bytes > DEFAULT.max_smem):
+            raise SpecError(f"{f}: {self.static_smem_bytes} bytes of static shared memory (split-K totals, "
+                            f"reductions) beside {self.xs_bytes if self.xs_dynamic else 0} dynamic do not fit "
+                            f"(static <= {STATIC_SMEM_MAX}; fewer warps, rows or splitk)")
         if not 0 < self.eps < 1:
             raise SpecError(f"{f}.eps must be in (0, 1), got {self.eps}")
         loads = self.mats * self.rows * self.unroll_eff * (2 if self.prefetch else 1)
@@ -242,8 +260,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
                   **_ROLE_VARIANT[role])
     # Small test models: the config's tile shrunk to fit the shape (K splits, rows); overrides stay as given.
     step = params["group"] if tile.mma else 32   # a K split is whole chunks (mma: whole groups)
-    while params["splitk"] > 1 and k % (step * params["splitk"]):
-        params["splitk"] -= 1
+    params["splitk"] = whole_splits(k, step, params["splitk"])
     params["rows"] = _fit(tile.rows, n // (8 if tile.mma else 32 // tile.lanes))
     params.update(override)
     spec = GemvInt4Spec(**params)
@@ -304,20 +321,29 @@ def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfil
             for m in cfg.multirow.buckets if m > 1]
 
 
-# A tensor-core tile for the tests: prefetch, and a partial last batch on every 7B shape (28 and 37 groups).
-MMA_TEST_TILE = dict(mma=True, lanes=4, rows=2, warps=8, tiles_per_warp=1, unroll=3, prefetch=True)
+# A tensor-core tile: prefetch, and a partial last batch on every 7B shape (28 and 37 groups). The tests',
+# and the prefill row GEMVs' (until tuned).
+MMA_TILE = dict(mma=True, lanes=4, rows=2, warps=8, tiles_per_warp=1, unroll=3, prefetch=True)
+
+
+def prefill_row_spec(role: str, dims: ModelDims, cfg: config.Config, m: int, splits: int,
+                     gpu: GpuProfile = DEFAULT) -> GemvInt4Spec:
+    """The m-row tensor-core GEMV a prefill chunk of at most m rows runs for `role` (runtime/prefill.py
+    ``rows<m>.<role>``): K split `splits` ways, as the GEMV-order GEMM of that role (codegen/kernels/gemm.py
+    gemv_order) splits it, so each row is that GEMM's bits; the role's RMSNorm fused."""
+    return multirow_spec(role_spec(role, dims, cfg, **MMA_TILE, splitk=splits), m, cfg, gpu)
 
 
 def mma_variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
-    """The decoder-layer roles on the tensor cores: MMA_TEST_TILE, and two MMA tiles per warp over K splits
+    """The decoder-layer roles on the tensor cores: MMA_TILE, and two MMA tiles per warp over K splits
     (at least 2, where whole groups allow: every epilogue split; the 16 staged rows of down's 18944 inputs
     fit only at its own 4)."""
     specs = []
     for role in ROLES:
         k, own = role_shape(role, dims)[1], getattr(cfg.gemv_int4, role).splitk
         splitk = max(2, own) if k % (cfg.quant.group_size * max(2, own)) == 0 else 1
-        two = {**MMA_TEST_TILE, "rows": 4, "unroll": 2, "prefetch": False, "splitk": splitk}
-        specs += [role_spec(role, dims, cfg, **MMA_TEST_TILE), role_spec(role, dims, cfg, **two)]
+        two = {**MMA_TILE, "rows": 4, "unroll": 2, "prefetch": False, "splitk": splitk}
+        specs += [role_spec(role, dims, cfg, **MMA_TILE), role_spec(role, dims, cfg, **two)]
     return specs
 
 
