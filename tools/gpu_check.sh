@@ -115,11 +115,12 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
         GPU_CHECK_PARALLEL_TESTS=$($PY tools/test_lanes.py "$GPU_CHECK_LANES" "${untimed[@]}") || status=1
         echo "lanes: $GPU_CHECK_PARALLEL_TESTS"
     fi
-    IFS=';' read -ra lanes <<< "${GPU_CHECK_PARALLEL_TESTS:-}"
-    laned=" ${GPU_CHECK_PARALLEL_TESTS//;/ } " serial=() rest=()
+    parallel=${GPU_CHECK_PARALLEL_TESTS:-}
+    IFS=';' read -ra lanes <<< "$parallel"
+    laned=" ${parallel//;/ } " serial=() rest=()
     for f in "${files[@]}"; do
         if [[ "$laned" == *" $f "* ]]; then :
-        elif [ -n "${GPU_CHECK_PARALLEL_TESTS:-}" ] && [[ " $TIMING_TESTS " == *" $f "* ]]; then serial+=("$f")
+        elif [ -n "$parallel" ] && [[ " $TIMING_TESTS " == *" $f "* ]]; then serial+=("$f")
         else rest+=("$f"); fi
     done
     pids=() logs=()
