@@ -1,4 +1,4 @@
-"""nanoqwen-tune on the CPU: search-space constraints, the tuned-results store (atomic merge, stale and
+"""nanoqwen-tune on the CPU: search-space constraints, the m-row spill rule (NVRTC compiles here), the tuned-results store (atomic merge, stale and
 missing entries fall back to the config with a notice) and the CLI's argument errors. The GPU sweep
 itself runs in tools/gpu_check.sh."""
 
@@ -43,6 +43,19 @@ def test_tiles_the_multirow_step_cannot_retile_are_ruled_out():
         gemv.multirow_spec(one, max(CFG.multirow.buckets), CFG)
     cands, _ = space.gemv_candidates("down", QWEN25_7B, CFG, names=("gemv_int4_mma",))
     assert one not in cands and all(s.splitk > 1 for s in cands[1:] if s.mma)
+
+
+def test_a_tile_whose_m_row_kernels_spill_is_passed_over():
+    """The H100's fastest qkv tile of 2026-12-05 (4 rows a 16-lane group, 4.27 us) compiles clean at m = 1 but
+    its m = 4 kernel spills (255 registers, 28 bytes spilled); the sweep stores the next fastest instead."""
+    from nanoqwen.tuning import sweep
+    spills = gemv.role_spec("qkv", QWEN25_7B, CFG, lanes=16, rows=4, warps=4, tiles_per_warp=1, splitk=1)
+    clean = gemv.role_spec("qkv", QWEN25_7B, CFG)
+    assert sweep.retiling_spills(spills, CFG) == 4 and sweep.retiling_spills(clean, CFG) is None
+    lines = []
+    judged = [(clean, {"us": 4.5}), (spills, {"us": 4.27})]
+    assert sweep.fastest_retilable(judged, CFG, lines.append) == judged[0]
+    assert lines == [f"  ruled out {spills.uri} (4.27 us): its m = 4 kernel spills"]
 
 
 def test_the_kernel_run_now_competes_second():

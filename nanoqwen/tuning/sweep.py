@@ -3,7 +3,9 @@
 and reported), then timed the way decode runs it (graph back-to-back with PDL, weights rotating through
 more than L2). The best per (GPU, shape) goes into the tuned-results store (the user's file unless told
 otherwise). With m > 1 it sweeps the m-row kernels of one multirow bucket beside this GPU's m = 1 kernels,
-and a candidate must also give every row bitwise what the m = 1 kernel gives that row alone. Progress is
+and a candidate must also give every row bitwise what the m = 1 kernel gives that row alone. An m = 1 tile
+is stored only if the m-row kernels the decoder derives from it compile without spills (checked for the
+fastest candidates, in order: a tile of 4 rows a lane group can run out of registers at m = 4). Progress is
 kept per candidate in a side file under the cache root, so an interrupted sweep resumes where it stopped."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase, bits, rel_err
 from ..codegen import tuned
 from ..codegen import tuned_store as store
+from ..codegen.kernels import gemv
 from ..dims import ModelDims
 from ..runtime import driver
 from . import space
@@ -65,7 +68,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
         # candidates differ only in tile parameters: one set of buffers (and one numpy answer) serves all
         case = GemvCase(cands[0], rng, kbench.rotating_copies(cands[0], cfg.bench.l2_rotate_bytes))
         deadline = time.monotonic() + budget_s / len(roles)   # compiling is not judging: the clock starts now
-        best = None
+        best, ok = None, []
         try:
             if m > 1 and isinstance(built[-1], Exception):
                 raise built[-1]
@@ -85,13 +88,17 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
                     log(f"  DISCARDED {spec.uri}: rel err {res['rel_err']:.2e} > {tol} (fast but wrong)")
                 elif res["status"] == "rows differ":
                     log(f"  DISCARDED {spec.uri}: rows {res['rows']} differ from the m = 1 kernel's bits")
-                elif res["status"] == "ok" and (best is None or res["us"] < best[1]["us"]):
-                    best = (spec, res)
+                elif res["status"] == "ok":
+                    ok.append((spec, res))
+                    if best is None or res["us"] < best[1]["us"]:
+                        best = (spec, res)
                 if (i + 1) % 10 == 0 or i + 1 == len(cands):
                     b_us = f"{best[1]['us']:.2f} us, {best[1]['GBps']:.0f} GB/s ({best[1]['pct_copy']:.1f}%)" if best else "-"
                     log(f"  {role}: {i + 1}/{len(cands)} judged, best so far {b_us}")
         finally:
             case.free()
+        if m == 1:
+            best = fastest_retilable(ok, cfg, log)
         default_res = progress.done.get(_pkey(built[0])) if not isinstance(built[0], Exception) else None
         if best is None or default_res is None or default_res["status"] != "ok":
             log(f"{role}: no valid timing for the config default; nothing stored")
@@ -119,9 +126,33 @@ def _pkey(built) -> str:
     return built.path.name
 
 
+def _spills(built) -> bool:
+    return bool(built.resources.spill_stores or built.resources.local_bytes)
+
+
+def retiling_spills(one: gemv.GemvInt4Spec, cfg: config.Config) -> int | None:
+    """The first multirow bucket whose kernel, as the decoder derives it from the m = 1 tile `one` (until
+    that bucket is tuned beside it), spills registers or uses local memory; None if none does."""
+    ms = [m for m in cfg.multirow.buckets if m > 1]
+    for m, b in zip(ms, codegen.build_many([gemv.multirow_spec(one, m, cfg) for m in ms])):
+        if _spills(b):
+            return m
+    return None
+
+
+def fastest_retilable(judged: list[tuple], cfg: config.Config, log=print) -> tuple | None:
+    """The fastest (spec, result) of the m = 1 candidates `judged` whose m-row kernels do not spill."""
+    for spec, res in sorted(judged, key=lambda sr: sr[1]["us"]):
+        m = retiling_spills(spec, cfg)
+        if m is None:
+            return spec, res
+        log(f"  ruled out {spec.uri} ({res['us']:.2f} us): its m = {m} kernel spills")
+    return None
+
+
 def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float, alone=None) -> dict:
     """`alone`: the m = 1 kernel's bits row by row (m > 1), which every row must equal."""
-    if built.resources.spill_stores or built.resources.local_bytes:
+    if _spills(built):
         return {"status": "spills"}
     fn = driver.load(built)
     out = case.run(fn, spec, stream)
