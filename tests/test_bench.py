@@ -495,10 +495,14 @@ def test_multirow_bench_glue_on_fakes(monkeypatch):
     from nanoqwen.bench import multirow
     from nanoqwen.codegen.kernels import gemv
 
+    from nanoqwen.codegen.resources import Resources
+
     cfg = config.default()
     def fake_build(spec):   # rows_per_warp 4 at m = 16 "spills"
         spills = getattr(spec, "rows_per_warp", 1) == 4 and spec.m == 16
-        return types.SimpleNamespace(spec=spec, resources=types.SimpleNamespace(spill_stores=4 * spills, local_bytes=0))
+        return types.SimpleNamespace(spec=spec, resources=Resources(
+            registers=64, shared_static=0, local_bytes=0, max_stack=0, constant0=0, barriers=0,
+            spill_stores=4 * spills, spill_loads=4 * spills))
     monkeypatch.setattr(multirow.codegen, "build_many", lambda specs, progress=None: [fake_build(s) for s in specs])
     monkeypatch.setattr(multirow.driver, "load", lambda built: built)
     monkeypatch.setattr(multirow, "_gemv_seconds", lambda spec, fn, *a: (1e-6 * (1 + 0.1 * (spec.m - 1)),) * 3)

@@ -242,7 +242,7 @@ def bench_row_gemvs(cfg, stream, rng) -> list[dict]:
     rows = []
     try:
         for (m, role, spec, kw), b in zip(tiles, built):
-            if b.resources.spill_stores or b.resources.local_bytes:
+            if b.resources.spills:
                 print(f"row GEMV {role:8s} m={m:2d} {str(kw):30s} skipped: spills", flush=True)
                 continue
             case = GemvCase(spec, rng, kbench.rotating_copies(spec, cfg.bench.l2_rotate_bytes))

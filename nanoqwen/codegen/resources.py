@@ -33,6 +33,11 @@ class Resources:
     spill_stores: int = -1  # bytes, from ptxas -v; -1 when the log did not say
     spill_loads: int = -1
 
+    @property
+    def spills(self) -> bool:
+        """Registers spilled or local memory used (also when the ptxas log did not say: -1)."""
+        return bool(self.spill_stores or self.local_bytes)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

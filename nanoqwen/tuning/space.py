@@ -67,12 +67,16 @@ def _product(spaces_: list[dict[str, list]], default, make) -> tuple[list, int]:
     return out, rejected
 
 
+def retilings(one: gemv.GemvInt4Spec, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
+    """The m-row kernels the decoder derives from the m = 1 tile ``one``, one per multirow bucket (until a
+    bucket is tuned beside it); SpecError where the multi-row step cannot re-tile it."""
+    return [gemv.multirow_spec(one, m, cfg) for m in cfg.multirow.buckets if m > 1]
+
+
 def _retiles(one: gemv.GemvInt4Spec, cfg: config.Config) -> gemv.GemvInt4Spec:
     """``one`` if the multi-row step can re-tile it for every bucket (the decoder builds them all from the
     stored m = 1 tile); else SpecError, so that no sweep stores a tile the decoder cannot build."""
-    for m in cfg.multirow.buckets:
-        if m > 1:
-            gemv.multirow_spec(one, m, cfg)
+    retilings(one, cfg)
     return one
 
 

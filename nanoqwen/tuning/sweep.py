@@ -126,18 +126,11 @@ def _pkey(built) -> str:
     return built.path.name
 
 
-def _spills(built) -> bool:
-    return bool(built.resources.spill_stores or built.resources.local_bytes)
-
-
 def retiling_spills(one: gemv.GemvInt4Spec, cfg: config.Config) -> int | None:
-    """The first multirow bucket whose kernel, as the decoder derives it from the m = 1 tile `one` (until
-    that bucket is tuned beside it), spills registers or uses local memory; None if none does."""
-    ms = [m for m in cfg.multirow.buckets if m > 1]
-    for m, b in zip(ms, codegen.build_many([gemv.multirow_spec(one, m, cfg) for m in ms])):
-        if _spills(b):
-            return m
-    return None
+    """The first multirow bucket whose kernel derived from the m = 1 tile `one` (space.retilings) spills
+    registers or uses local memory; None if none does."""
+    specs = space.retilings(one, cfg)
+    return next((s.m for s, b in zip(specs, codegen.build_many(specs)) if b.resources.spills), None)
 
 
 def fastest_retilable(judged: list[tuple], cfg: config.Config, log=print) -> tuple | None:
@@ -152,7 +145,7 @@ def fastest_retilable(judged: list[tuple], cfg: config.Config, log=print) -> tup
 
 def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float, alone=None) -> dict:
     """`alone`: the m = 1 kernel's bits row by row (m > 1), which every row must equal."""
-    if _spills(built):
+    if built.resources.spills:
         return {"status": "spills"}
     fn = driver.load(built)
     out = case.run(fn, spec, stream)
