@@ -29,10 +29,12 @@ def _tiny_dims() -> ModelDims:
 
 
 MODELS = {"7b": QWEN25_7B, "tiny": _tiny_dims()}
-# the config defaults plus the multi-row step's m > 1 kernels (config multirow.buckets), plus every GEMV the
-# decoder builds from the tiles tune/tuned.json holds for these dims (any GPU, m = 1 and each bucket)
+# the config defaults plus the multi-row step's m > 1 kernels (config multirow.buckets), plus every GEMV and
+# decode attention the decoder builds from what tune/tuned.json holds for these dims (any GPU, m = 1 and each
+# bucket)
 SPECS = {name: list(dict.fromkeys(codegen.model_kernels(dims) + codegen.multirow_kernels(dims)
-                                  + tuned.tuned_specs(dims, config.default())))
+                                  + tuned.tuned_specs(dims, config.default())
+                                  + tuned.tuned_attention_specs(dims, config.default())))
          for name, dims in MODELS.items()}
 CASES = [(name, s) for name, specs in SPECS.items() for s in specs]
 

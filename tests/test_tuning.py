@@ -1,6 +1,8 @@
-"""nanoqwen-tune on the CPU: search-space constraints, the m-row spill rule (NVRTC compiles here), the tuned-results store (atomic merge, stale and
-missing entries fall back to the config with a notice) and the CLI's argument errors. The GPU sweep
-itself runs in tools/gpu_check.sh."""
+"""nanoqwen-tune on the CPU: search-space constraints (the GEMVs' and the decode attention's), the m-row
+spill rule (NVRTC compiles here), the tuned-results store (atomic merge, stale and missing entries fall back
+to the config with a notice), the decoder taking tuned attention fields, and the CLI's argument errors. The
+GPU sweeps themselves run in tools/gpu_check.sh (tests/gpu/test_tuning_attention.py runs the attention's on
+the tiny model)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from nanoqwen import config, paths
 from nanoqwen.cli import tune as tune_cli
-from nanoqwen.codegen.kernels import gemv
+from nanoqwen.codegen.kernels import attention, gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.codegen import tuned
 from nanoqwen.codegen import tuned_store as store
@@ -179,7 +181,7 @@ def test_unknown_format_is_a_clear_error(tmp_path):
         store.load(p)
 
 
-@pytest.mark.parametrize("argv,msg", [(["--kernels", "attention"], "no tuner for attention"),
+@pytest.mark.parametrize("argv,msg", [(["--kernels", "gemv,prefill"], "no tuner for prefill"),
                                       (["--roles", "qkv,lm"], "unknown role"),
                                       (["--budget", "0"], "must be positive"),
                                       (["--rows", "3"], "not a list of multirow buckets"),
@@ -188,3 +190,87 @@ def test_cli_errors_are_one_line(argv, msg, capsys):
     assert tune_cli.main(argv) == 1
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+# ---- the decode attention ----------------------------------------------------------------------------------
+
+def test_attention_candidates_start_with_the_config_and_keep_the_single_row_rounding():
+    cands, ruled_out = space.attention_candidates(QWEN25_7B, CFG)
+    a = CFG.attention
+    assert cands[0] == ({n: getattr(a, n) for n in attention.SINGLE_ROW_TILE}, attention.decode_specs(QWEN25_7B, CFG)[1:])
+    assert ruled_out > 0 and len({pair for _, pair in cands}) == len(cands) > 1
+    assert {p["pipeline"] for p, _ in cands} == {"mma", "bulk"} and {d.splits for _, (d, _c) in cands} == {33, 66, 99}
+    for params, (dec, comb) in cands:
+        assert set(params) == set(attention.SINGLE_ROW_TILE) and dec.splits == comb.splits
+        assert (dec, comb) == attention.decode_specs(QWEN25_7B, CFG, one=params)[1:]
+    one = cands[-1][0]
+    rows, _ = space.attention_candidates(QWEN25_7B, CFG, m=8, one=one)
+    base = attention.decode_specs(QWEN25_7B, CFG, one=one)[1]
+    assert len(rows) > 1 and rows[0][0] == {"stages": CFG.multirow.attention_stages,
+                                            "ctas_per_sm": CFG.multirow.attention_ctas_per_sm}
+    for params, (dec, comb) in rows:
+        assert set(params) == set(attention.MULTIROW_TILE) and dec.m == comb.m == 8
+        assert (dec.splits, dec.pipeline, dec.consumer_warps) == (base.splits, base.pipeline, base.consumer_warps)
+
+
+def test_attention_current_fields_compete_second():
+    """What this GPU runs now (its tuned entry) competes second when the space lacks it, once when the
+    space has it, not at all when it is stale."""
+    outside = {"pipeline": "bulk", "consumer_warps": 4, "stages": 3, "ctas_per_sm": 1}
+    cands, _ = space.attention_candidates(QWEN25_7B, CFG, current={"pipeline": "bulk", "stages": 3})
+    assert cands[1][0] == outside and [p for p, _ in cands].count(outside) == 1
+    inside = {"pipeline": "mma", "consumer_warps": 2, "stages": 6, "ctas_per_sm": 2}
+    cands, _ = space.attention_candidates(QWEN25_7B, CFG, current=inside)
+    assert [p for p, _ in cands].count(inside) == 1 and cands[1][0] != inside
+    stale, _ = space.attention_candidates(QWEN25_7B, CFG, current={"stages": 9})
+    assert [p for p, _ in stale] == [p for p, _ in space.attention_candidates(QWEN25_7B, CFG)[0]]
+
+
+def test_tuned_attention_fields_are_used_and_stale_ones_fall_back(tmp_store, capsys):
+    gpu = "Test GPU"
+    default = attention.decode_specs(QWEN25_7B, CFG)
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu) == default
+    assert capsys.readouterr().err == "", "a missing attention entry is no news: the config's is measured"
+    key = tuned.attention_key(QWEN25_7B, CFG, gpu)
+    assert key.endswith("|attention_decode|decode|n3584_k512")
+    store.merge_write({key: {"params": {"stages": 4, "ctas_per_sm": 2}}}, {"gpu": gpu}, tmp_store)
+    rope, dec, comb = tuned.attention_specs(QWEN25_7B, CFG, gpu)
+    assert (dec.stages, dec.splits, comb.splits, rope) == (4, 66, 66, default[0])
+    rows = tuned.attention_specs(QWEN25_7B, CFG, gpu, 8)
+    assert rows[1].splits == rows[2].splits == 66 and rows[1].m == 8, "the m-row kernels keep the tuned splits"
+    from nanoqwen.runtime.decoder import step_specs
+    assert step_specs(QWEN25_7B, CFG, gpu)["attention_decode"] == dec
+    assert dec in tuned.tuned_attention_specs(QWEN25_7B, CFG) and rows[1] in tuned.tuned_attention_specs(QWEN25_7B, CFG)
+    store.merge_write({key: {"params": {"stages": 3}}}, {}, tmp_store)   # mma: stages a multiple of 4
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu) == default
+    assert "stale tuned entry" in capsys.readouterr().err
+    store.merge_write({key: {"params": {"warps": 3}}}, {}, tmp_store)    # no such field
+    tuned._notice_once.cache_clear()
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu) == default
+    assert "not a tunable field" in capsys.readouterr().err
+
+
+def test_multirow_attention_entry_holds_beside_its_single_row_kernel(tmp_store, capsys):
+    gpu = "Test GPU"
+    base = attention.decode_specs(QWEN25_7B, CFG)[1]
+    key = tuned.attention_key(QWEN25_7B, CFG, gpu, 8)
+    tile = {"stages": 8, "ctas_per_sm": 2}
+    store.merge_write({key: {"params": tile, "base_uri": base.uri, "m": 8}}, {"gpu": gpu}, tmp_store)
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu, 8) == attention.decode_specs(QWEN25_7B, CFG, m=8, tile=tile)
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu, 4) == attention.decode_specs(QWEN25_7B, CFG, m=4)
+    assert capsys.readouterr().err == ""
+    one_key = tuned.attention_key(QWEN25_7B, CFG, gpu)
+    store.merge_write({one_key: {"params": {"ctas_per_sm": 2}}}, {}, tmp_store)   # a re-tuned m = 1 kernel
+    assert tuned.attention_specs(QWEN25_7B, CFG, gpu, 8) == attention.decode_specs(
+        QWEN25_7B, CFG, m=8, one={"ctas_per_sm": 2})
+    assert "tuned beside another m = 1 attention" in capsys.readouterr().err
+
+
+def test_cli_tunes_the_attention_beside_the_gemvs(tmp_store, monkeypatch):
+    from nanoqwen.tuning import attention as tune_attention, sweep
+    calls = []
+    monkeypatch.setattr(sweep, "tune", lambda *a, m, budget_s=None, **kw: calls.append(("gemv", m, a[3])) or [])
+    monkeypatch.setattr(tune_attention, "tune_attention",
+                        lambda dims, cfg, budget, m, out, log: calls.append(("attention", m, budget)) or [])
+    assert tune_cli.main(["--kernels", "gemv,attention", "--rows", "1,8", "--budget", "400"]) == 0
+    assert calls == [("gemv", 1, 100.0), ("gemv", 8, 100.0), ("attention", 1, 100.0), ("attention", 8, 100.0)]

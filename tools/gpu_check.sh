@@ -16,6 +16,8 @@
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
 #                      beside this GPU's m = 1 kernels, `nanoqwen-tune --rows`)
 #   GPU_CHECK_TUNE_ROLES GEMV roles to tune (default: all four)
+#   GPU_CHECK_TUNE_KERNELS kernel families to tune (default gemv; gemv,attention or attention: the decode
+#                      attention's fields too, `nanoqwen-tune --kernels`)
 #   GPU_CHECK_TUNE_SPACES m = 1 search spaces to sweep (default: all; e.g. gemv_int4_mma: the tensor-core tiles
 #                      against the kernels this GPU runs now)
 #   GPU_CHECK_MODEL    1 runs `nanoqwen bench 7b --no-baseline` (synthetic 7B, config protocol, ITL plot, profile)
@@ -142,7 +144,7 @@ fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
     stage tune $(( GPU_CHECK_TUNE + 120 )) $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE" \
         --rows "${GPU_CHECK_TUNE_ROWS:-1}" --roles "${GPU_CHECK_TUNE_ROLES:-qkv,o_proj,gate_up,down}" \
-        ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}
+        --kernels "${GPU_CHECK_TUNE_KERNELS:-gemv}" ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}
     cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
 fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"

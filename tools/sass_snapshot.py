@@ -26,7 +26,8 @@ def model_specs() -> dict[str, list[codegen.KernelSpec]]:
     models = {"7b": QWEN25_7B, "tiny": tiny_dims(),
               "small-py": ModelDims.from_hf_dir(SMALL_PY_DIR)}
     return {name: list(dict.fromkeys(codegen.model_kernels(dims, cfg) + tuned.tuned_specs(dims, cfg)
-                                     + gemv.variants(dims, cfg) + [_plain(dims, cfg)]))
+                                     + tuned.tuned_attention_specs(dims, cfg) + gemv.variants(dims, cfg)
+                                     + [_plain(dims, cfg)]))
             for name, dims in models.items()}
 
 

@@ -67,7 +67,7 @@ def kv_bytes(dims: ModelDims, context: int, m: int, page: int) -> int:
     return 2 * pages * dims.kv_heads * page * dims.head_dim * 2
 
 
-class _Setup:
+class Setup:
     """A paged K/V cache holding ``tokens`` random tokens in shuffled pages, q for 16 rows, the state."""
 
     def __init__(self, dims: ModelDims, tokens: int, page: int, rng):
@@ -91,38 +91,69 @@ class _Setup:
             b.free()
 
 
-def _case(setup: _Setup, fns: tuple, dec, comb, context: int, stream) -> dict:
-    """Check one (variant, m, context) against the reference, then time it; one result row."""
-    m, d = dec.m, setup.dims
-    acc, ml = (driver.DeviceBuffer(n) for n in A.partial_bytes(dec))
-    o16 = driver.DeviceBuffer(2 * m * d.q_dim)
-    positions = np.arange(context - 1, context - 1 + m, dtype=np.int32)
-    rows = driver.DeviceBuffer.from_array(np.concatenate([positions, np.zeros(m, np.int32)]))
-    try:
-        setup.buf["state"].upload(np.array([0, context - 1, 0, 0], np.int32))
-        where = {"state": setup.buf["state"]} if m == 1 else {"positions": rows}
+class Pair:
+    """attention_decode + attention_combine over ``setup``'s cache: m rows at positions context - 1 ..
+    context + m - 2 with q rows first_row .. first_row + m - 1, their buffers, and one call of the pair."""
+
+    def __init__(self, setup: Setup, fns: tuple, dec, comb, context: int, stream, first_row: int = 0):
+        m, d = dec.m, setup.dims
+        self.setup, self.m, self.stream = setup, m, stream
+        self.acc, self.ml = (driver.DeviceBuffer(n) for n in A.partial_bytes(dec))
+        self.o16 = driver.DeviceBuffer(2 * m * d.q_dim)
+        self.positions = np.arange(context - 1 + first_row, context - 1 + first_row + m, dtype=np.int32)
+        self.rows = driver.DeviceBuffer.from_array(np.concatenate([self.positions, np.zeros(m, np.int32)]))
+        self.q = setup.q[first_row:first_row + m]
         b = setup.buf
-        dec_args = dict(**where, q_rot=b["q_rot"], k_pool=b["k_pool"], v_pool=b["v_pool"], page_table=b["page_table"],
-                        part_acc=acc, part_ml=ml)
-        (dfn, cfn), dl, cl = fns, dec.launch(), comb.launch()
+        where = {"state": b["state"]} if m == 1 else {"positions": self.rows}
+        self.dec_args = dict(**where, q_rot=b["q_rot"].ptr + 4 * first_row * d.q_dim, k_pool=b["k_pool"],
+                             v_pool=b["v_pool"], page_table=b["page_table"], part_acc=self.acc, part_ml=self.ml)
+        self.fns, self.launches = fns, (dec.launch(), comb.launch())
 
-        def call(_i, pdl):
-            dfn.launch(dl, stream, pdl, **dec_args)
-            cfn.launch(cl, stream, pdl, part_acc=acc, part_ml=ml, o16=o16)
+    def call(self, _i=0, pdl=False) -> None:
+        (dfn, cfn), (dl, cl) = self.fns, self.launches
+        dfn.launch(dl, self.stream, pdl, **self.dec_args)
+        cfn.launch(cl, self.stream, pdl, part_acc=self.acc, part_ml=self.ml, o16=self.o16)
 
-        call(0, False)
-        stream.synchronize()
-        got = o16.download(np.empty((m, d.heads, d.head_dim), np.float16)).astype(np.float64)
-        ref = R.attention(setup.q[:m], setup.k, setup.v, positions)
+    def output(self) -> np.ndarray:
+        """One call's o16, [m, heads, head_dim]."""
+        d = self.setup.dims
+        self.setup.buf["state"].upload(np.array([0, self.positions[0], 0, 0], np.int32))
+        self.call()
+        self.stream.synchronize()
+        return self.o16.download(np.empty((self.m, d.heads, d.head_dim), np.float16))
+
+    def free(self) -> None:
+        for buf in (self.acc, self.ml, self.o16, self.rows):
+            buf.free()
+
+
+def rows_alone(setup: Setup, fns1: tuple, dec1, comb1, context: int, m: int, stream) -> np.ndarray:
+    """The o16 of m rows (positions context - 1 ...), each computed by the m = 1 pair by itself: what each
+    row of an m-row kernel must equal bit for bit."""
+    out = []
+    for r in range(m):
+        pair = Pair(setup, fns1, dec1, comb1, context, stream, first_row=r)
+        try:
+            out.append(pair.output()[0])
+        finally:
+            pair.free()
+    return np.stack(out)
+
+
+def check_and_time(setup: Setup, fns: tuple, dec, comb, context: int, stream) -> dict:
+    """Check one (variant, m, context) against the reference, then time it; one result row."""
+    pair = Pair(setup, fns, dec, comb, context, stream)
+    try:
+        got = pair.output().astype(np.float64)
+        ref = R.attention(pair.q, setup.k, setup.v, pair.positions)
         err = float(np.abs(got - ref).max() / np.abs(ref).max())
-        row = {"context": context, "m": m, "rel_err": err}
+        row = {"context": context, "m": dec.m, "rel_err": err}
         if not np.isfinite(got).all() or err > REL_TOL:
             return row | {"wrong": True}
-        us = float(np.median(graph_seconds(call, CALLS, stream))) * 1e6
-        return row | {"us": us, "us_per_row": us / m, "kv_bytes": kv_bytes(d, context, m, setup.page)}
+        us = float(np.median(graph_seconds(pair.call, CALLS, stream))) * 1e6
+        return row | {"us": us, "us_per_row": us / dec.m, "kv_bytes": kv_bytes(setup.dims, context, dec.m, setup.page)}
     finally:
-        for buf in (acc, ml, o16, rows):
-            buf.free()
+        pair.free()
 
 
 def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, contexts=CONTEXTS, rows=ROWS,
@@ -140,12 +171,12 @@ def run(dims: ModelDims = QWEN25_7B, cfg: config.Config | None = None, contexts=
             except (SpecError, TypeError) as e:   # TypeError: a key that is no spec field
                 ruled_out.append({"variant": overrides, "m": m, "error": str(e)})
     built = {b.spec: driver.load(b) for b in codegen.build_many([s for _, pair in cases for s in pair])}
-    setup = _Setup(dims, max(contexts) + max(rows), page, rng)
+    setup = Setup(dims, max(contexts) + max(rows), page, rng)
     results = []
     try:
         for context in contexts:
             for overrides, (dec, comb) in cases:
-                r = {"variant": overrides, "uri": dec.uri} | _case(setup, (built[dec], built[comb]), dec, comb, context, stream)
+                r = {"variant": overrides, "uri": dec.uri} | check_and_time(setup, (built[dec], built[comb]), dec, comb, context, stream)
                 if "us" in r:
                     r["pct_copy"] = 100 * r["kv_bytes"] / (r["us"] * 1e-6) / (copy * 1e9)
                 results.append(r)

@@ -1,9 +1,10 @@
-"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv] [--roles ...] [--rows M,...] [--budget SECONDS] [--repo]`:
-sweep the INT4 GEMV tile parameters of tune/spaces.yaml per shape on this GPU and store the best in the
-user's tuned results (<cache root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which
-ships with the package), which the decoder and `nanoqwen bench --kernels` read at startup. --rows sweeps
-the multi-row step's kernels of those buckets instead (gemv_int4_rows), beside the m = 1 kernels this GPU
-has: each candidate's rows must be bitwise the m = 1 kernel's."""
+"""`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv,attention] [--roles ...] [--rows M,...] [--budget SECONDS]
+[--repo]`: sweep the INT4 GEMV tile parameters (gemv) and the decode attention's fields (attention) of
+tune/spaces.yaml per shape on this GPU and store the best in the user's tuned results (<cache
+root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which ships with the package), which the
+decoder and `nanoqwen bench --kernels` read at startup. --rows sweeps the multi-row step's kernels of those
+buckets instead (gemv_int4_rows, attention_decode_rows), beside the m = 1 kernels this GPU has: each
+candidate's rows must be bitwise the m = 1 kernel's. The budget is shared by the families and buckets."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from .. import NanoqwenError, config
 from .args import parser
 from .errors import run_main
 
-KERNELS = ("gemv",)
+KERNELS = ("gemv", "attention")
 
 
 def _main(argv) -> int:
     p = parser("nanoqwen-tune", __doc__)
     p.add_argument("--model", default="7b", help="whose shapes: 7b, a .nanoqwen file or a HF directory")
-    p.add_argument("--kernels", default="gemv", help="kernel families to tune (comma-separated; only gemv so far)")
+    p.add_argument("--kernels", default="gemv", help=f"kernel families to tune (comma-separated: {', '.join(KERNELS)})")
     p.add_argument("--roles", default="qkv,o_proj,gate_up,down", help="GEMV roles (comma-separated)")
     p.add_argument("--rows", default="1", metavar="M,...",
                    help="multirow buckets whose m-row kernels to sweep (default 1: the decode kernels)")
@@ -51,14 +52,20 @@ def _main(argv) -> int:
                             f"({', '.join(map(str, buckets))}; config multirow.buckets)")
     from .gen import model_dims
     from ..codegen import tuned_store as store
-    from ..tuning import space, sweep
+    from ..tuning import attention, space, sweep
     out = store.repo_path() if args.repo else store.user_path()
     spaces = tuple(s.strip() for s in args.spaces.split(",") if s.strip()) if args.spaces else space.TILE_SPACES
     space.tile_spaces(spaces)   # an unknown name fails here, before the device starts
-    dims = model_dims(args.model)
-    summary = [r for m in ms for r in sweep.tune(dims, config.default(), roles, args.budget / len(ms),
-                                                  log=lambda line: print(line, flush=True), out=out, m=m,
-                                                  spaces=spaces)]
+    dims, cfg = model_dims(args.model), config.default()
+    budget = args.budget / (len(ms) * len(families))
+
+    def log(line):
+        print(line, flush=True)
+    summary = []
+    if "gemv" in families:
+        summary += [r for m in ms for r in sweep.tune(dims, cfg, roles, budget, log=log, out=out, m=m, spaces=spaces)]
+    if "attention" in families:
+        summary += [r for m in ms for r in attention.tune_attention(dims, cfg, budget, log=log, out=out, m=m)]
     print(sweep.table(summary))
     if summary:
         print(f"stored in {out}")

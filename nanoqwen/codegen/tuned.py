@@ -1,7 +1,9 @@
 """What the decoder builds on a given GPU: the tuned tile parameters of tune/tuned.json for (GPU, arch,
 role, shape[, m rows]) when a valid entry exists, else the config defaults with a one-line notice (missing
 entry, or a stale one the current spec rules out). An m-row entry holds only beside the m = 1 kernel it was
-tuned with (its URI is in the entry): rows keep that kernel's order, so a re-tuned m = 1 tile makes it stale."""
+tuned with (its URI is in the entry): rows keep that kernel's order, so a re-tuned m = 1 tile makes it stale.
+The decode attention's entries (``attention_specs``) follow the same rules, without the notice for a missing
+entry (the config's attention is the measured default)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from .. import config
 from ..dims import ModelDims
 from .gpu import DEFAULT, GpuProfile
 from . import tuned_store
-from .kernels import gemv
+from .kernels import attention, gemv
 from .spec import SpecError
 
 
@@ -71,4 +73,58 @@ def tuned_specs(dims: ModelDims, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
     tuned = [(gpu, role) for gpu in gpus for role in gemv.ROLES
              if any(entry_key(role, dims, cfg, gpu, m) in keys for m in cfg.multirow.buckets)]
     specs = [role_spec(role, dims, cfg, gpu, m) for gpu, role in tuned for m in cfg.multirow.buckets]
+    return list(dict.fromkeys(specs))
+
+
+def attention_key(dims: ModelDims, cfg: config.Config, gpu: str, m: int = 1) -> str:
+    """The decode attention's entry: its shape is (query width, KV width)."""
+    return tuned_store.key(gpu, cfg.codegen.arch, attention.AttentionDecodeSpec.family, "decode", dims.q_dim,
+                           dims.kv_dim, m)
+
+
+def attention_specs(dims: ModelDims, cfg: config.Config, gpu: str | None, m: int = 1,
+                    profile: GpuProfile = DEFAULT) -> tuple:
+    """attention.decode_specs of m rows on `gpu` (None: the config's), with the tuned m = 1 fields and, for
+    m > 1, the tuned ring of that bucket when it was tuned beside the m = 1 kernel used now."""
+    one = attention_params(dims, cfg, gpu, profile)
+    if m == 1 or gpu is None:
+        return attention.decode_specs(dims, cfg, profile, m, one=one)
+    key = attention_key(dims, cfg, gpu, m)
+    base = attention.decode_specs(dims, cfg, profile, one=one)[1].uri
+    tile = None
+    if tuned_store.lookup_params(key) is not None and tuned_store.lookup_base(key) != base:
+        _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 attention): config multirow")
+    else:
+        tile = _valid_params(key, lambda params: attention.decode_specs(dims, cfg, profile, m, one=one, tile=params))
+    return attention.decode_specs(dims, cfg, profile, m, one=one, tile=tile)
+
+
+def attention_params(dims: ModelDims, cfg: config.Config, gpu: str | None, profile: GpuProfile = DEFAULT) -> dict | None:
+    """The tuned m = 1 fields of the decode attention on `gpu` (None: the config's)."""
+    if gpu is None:
+        return None
+    return _valid_params(attention_key(dims, cfg, gpu), lambda params: attention.decode_specs(dims, cfg, profile,
+                                                                                               one=params))
+
+
+def _valid_params(key: str, make) -> dict | None:
+    """The entry's params when ``make(params)`` accepts them; None when there is none or it is stale
+    (with a notice)."""
+    params = tuned_store.lookup_params(key)
+    if params is None:
+        return None
+    try:
+        make(params)
+    except (SpecError, TypeError) as e:
+        _notice_once(f"stale tuned entry {key} ({e}): config defaults")
+        return None
+    return params
+
+
+def tuned_attention_specs(dims: ModelDims, cfg: config.Config) -> list:
+    """Every decode attention kernel (m = 1 and each multirow bucket) for each GPU the store has an attention
+    entry for: CI compiles them too."""
+    keys = tuned_store.merged_entries()
+    gpus = sorted({k.split("|")[0] for k in keys if f"|{attention.AttentionDecodeSpec.family}|" in k})
+    specs = [s for gpu in gpus for m in cfg.multirow.buckets for s in attention_specs(dims, cfg, gpu, m)]
     return list(dict.fromkeys(specs))

@@ -35,10 +35,10 @@ from .memory import Buffers
 
 def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_GPU, m: int = 1) -> dict:
     """Role -> kernel spec of one decode step of ``m`` rows, each from its family's own constructor; the
-    GEMVs take this GPU's tuned tiles (tune/tuned.json) when there are any (m > 1: the m-row kernel of that
-    tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1 embeds its rows with
-    the prefill's embed (a copy, the same bits)."""
-    rope_append, attention_decode, attention_combine = attention.decode_specs(dims, cfg, profile, m)
+    GEMVs and the attention take this GPU's tuned parameters (tune/tuned.json) when there are any (m > 1:
+    the m-row kernel of that tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1
+    embeds its rows with the prefill's embed (a copy, the same bits)."""
+    rope_append, attention_decode, attention_combine = tuned.attention_specs(dims, cfg, gpu, m, profile)
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
             **{role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES},
             "rope_append": rope_append, "attention_decode": attention_decode,

@@ -1,4 +1,5 @@
-"""Search spaces: tune/spaces.yaml -> candidate specs per GEMV role, constraints applied before compiling."""
+"""Search spaces: tune/spaces.yaml -> candidate specs per GEMV role and for the decode attention, constraints
+applied before compiling."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from functools import cache
 import yaml
 
 from .. import NanoqwenError, config, paths
-from ..codegen.kernels import gemv
+from ..codegen.gpu import DEFAULT, GpuProfile
+from ..codegen.kernels import attention, gemv
 from ..codegen.spec import SpecError
 from ..dims import ModelDims
 
@@ -21,6 +23,8 @@ ROWS_SPACE = "gemv_int4_rows"   # the m-row kernels' re-tilings (gemv.MULTIROW_T
 MMA_SPACE = "gemv_int4_mma"     # the tensor-core tiles, swept beside the CUDA-core ones (a space of its own:
                                 # their lanes, rows and batches are not the CUDA-core kernel's)
 TILE_SPACES = (gemv.GemvInt4Spec.family, MMA_SPACE)   # the m = 1 kernels' spaces
+ATTENTION_SPACE = attention.AttentionDecodeSpec.family   # config attention's fields (attention.SINGLE_ROW_TILE)
+ATTENTION_ROWS_SPACE = "attention_decode_rows"           # config multirow's ring, per bucket (MULTIROW_TILE)
 
 
 @cache
@@ -31,7 +35,8 @@ def spaces() -> dict[str, dict[str, list]]:
     except (OSError, yaml.YAMLError) as e:
         raise SpaceError(f"{path}: cannot load search spaces: {e}") from None
     allowed = {gemv.GemvInt4Spec.family: gemv.GemvInt4Spec.parameters(), MMA_SPACE: gemv.GemvInt4Spec.parameters(),
-               ROWS_SPACE: gemv.MULTIROW_TILE}
+               ROWS_SPACE: gemv.MULTIROW_TILE, ATTENTION_SPACE: attention.SINGLE_ROW_TILE,
+               ATTENTION_ROWS_SPACE: attention.MULTIROW_TILE}
     for family, space in data.items():
         if family not in allowed:
             raise SpaceError(f"{path}: no tuner for kernel family {family!r}")
@@ -103,3 +108,30 @@ def tile_params(spec: gemv.GemvInt4Spec) -> dict:
     """The tunable fields of a spec (what the tuned-results file stores): m > 1, the re-tiling."""
     names = gemv.MULTIROW_TILE if spec.m > 1 else [n for space in tile_spaces() for n in space]
     return {n: getattr(spec, n) for n in dict.fromkeys(names)}
+
+
+def attention_candidates(dims: ModelDims, cfg: config.Config, m: int = 1, one: dict | None = None,
+                         current: dict | None = None, profile: GpuProfile = DEFAULT) -> tuple[list[tuple[dict, tuple]], int]:
+    """(valid (fields, (attention_decode, attention_combine)) candidates, number ruled out). m = 1: config
+    attention's fields over the attention_decode space; m > 1: config multirow's ring over
+    attention_decode_rows beside the m = 1 fields ``one`` (their rounding kept). The config's fields come
+    first and ``current`` (what this GPU runs now, a tuned entry) second, each set named in full."""
+    fields = {}
+
+    def make(params):
+        tuned = dict(one=params) if m == 1 else dict(one=one, tile=params)
+        pair = attention.decode_specs(dims, cfg, profile, m, **tuned)[1:]
+        fields.setdefault(pair, dict(params))
+        return pair
+
+    a = cfg.attention if m == 1 else None
+    default = ({n: getattr(a, n) for n in attention.SINGLE_ROW_TILE} if m == 1 else
+               dict(stages=cfg.multirow.attention_stages, ctas_per_sm=cfg.multirow.attention_ctas_per_sm))
+    pairs, rejected = _product([spaces()[ATTENTION_SPACE if m == 1 else ATTENTION_ROWS_SPACE]], make(default), make)
+    try:   # a stale entry (the sweep of m > 1 reads its own) is no candidate
+        now = None if current is None else make({**default, **current})
+    except SpecError:
+        now = None
+    if now is not None and now not in pairs:
+        pairs.insert(1, now)
+    return [(fields[p], p) for p in pairs], rejected

@@ -27,7 +27,7 @@ from ..runtime import driver
 from . import space
 
 
-class _Progress:
+class Progress:
     """uri -> result of every candidate already judged on this GPU (resumability)."""
 
     def __init__(self, gpu: str):
@@ -53,7 +53,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     dev = driver.device()
     gpu = dev.props.name
     stream, rng = driver.Stream(), np.random.default_rng()
-    progress = _Progress(gpu)
+    progress = Progress(gpu)
     copy = kbench.copy_bandwidth(stream)["GBps"]
     log(f"{gpu}: copy bandwidth {copy:.0f} GB/s; budget {budget_s:.0f} s of judging, split over the roles")
     blocker = driver.DeviceBuffer(kbench.BLOCKER_BYTES)
@@ -77,13 +77,13 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
                 if isinstance(b, Exception):
                     log(f"  {spec.uri}: compile error: {str(b).splitlines()[0]}")
                     continue
-                res = progress.done.get(_pkey(b))
+                res = progress.done.get(progress_key(b))
                 if res is None:
                     if time.monotonic() > deadline:
                         log(f"{role}: budget spent after {i}/{len(cands)} candidates")
                         break
                     res = _judge(spec, b, case, stream, blocker, copy, tol, alone)
-                    progress.add(_pkey(b), res)
+                    progress.add(progress_key(b), res)
                 if res["status"] == "wrong":
                     log(f"  DISCARDED {spec.uri}: rel err {res['rel_err']:.2e} > {tol} (fast but wrong)")
                 elif res["status"] == "rows differ":
@@ -99,7 +99,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
             case.free()
         if m == 1:
             best = fastest_retilable(ok, cfg, log)
-        default_res = progress.done.get(_pkey(built[0])) if not isinstance(built[0], Exception) else None
+        default_res = progress.done.get(progress_key(built[0])) if not isinstance(built[0], Exception) else None
         if best is None or default_res is None or default_res["status"] != "ok":
             log(f"{role}: no valid timing for the config default; nothing stored")
             continue
@@ -110,7 +110,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
             "pct_copy": res["pct_copy"], "default_params": space.tile_params(cands[0]),
             "default_us": default_res["us"], "default_pct_copy": default_res["pct_copy"],
             "rel_err": res["rel_err"], "candidates": len(cands),
-            "judged": sum(not isinstance(b, Exception) and _pkey(b) in progress.done for b in built),
+            "judged": sum(not isinstance(b, Exception) and progress_key(b) in progress.done for b in built),
             "copy_GBps": copy, **({"m": m, "base_uri": one.uri} if m > 1 else {})}
         summary.append({"role": role, **entries[key]})
     blocker.free()
@@ -121,7 +121,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     return summary
 
 
-def _pkey(built) -> str:
+def progress_key(built) -> str:
     """Progress key: the cached cubin's name (URI + source hash), so an edited template is judged anew."""
     return built.path.name
 
@@ -161,10 +161,15 @@ def _judge(spec, built, case, stream, blocker, copy_GBps: float, tol: float, alo
 
 
 def table(summary: list[dict]) -> str:
-    head = f"{'role':<8} {'m':>2} {'default us':>10} {'%copy':>6} | {'tuned us':>8} {'%copy':>6} | {'gain':>6}  params"
+    """The sweeps' summary rows (GEMV roles, and the attention's, which has no %copy: its us are the geometric
+    mean over the contexts)."""
+    head = f"{'role':<9} {'m':>2} {'default us':>10} {'%copy':>6} | {'tuned us':>8} {'%copy':>6} | {'gain':>6}  params"
     lines = [head, "-" * len(head)]
+
+    def pct(r, k):
+        return f"{r[k]:>5.1f}%" if k in r else f"{'-':>6}"
     for r in summary:
         gain = r["default_us"] / r["us"] - 1
-        lines.append(f"{r['role']:<8} {r.get('m', 1):>2} {r['default_us']:>10.2f} {r['default_pct_copy']:>5.1f}% | {r['us']:>8.2f} "
-                     f"{r['pct_copy']:>5.1f}% | {100 * gain:>5.1f}%  {r['params']}")
+        lines.append(f"{r['role']:<9} {r.get('m', 1):>2} {r['default_us']:>10.2f} {pct(r, 'default_pct_copy')} | "
+                     f"{r['us']:>8.2f} {pct(r, 'pct_copy')} | {100 * gain:>5.1f}%  {r['params']}")
     return "\n".join(lines)

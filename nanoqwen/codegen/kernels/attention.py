@@ -242,19 +242,39 @@ def partial_bytes(spec: AttentionDecodeSpec) -> tuple[int, int]:
     return rows * spec.head_dim * 4, rows * 2 * 4
 
 
-def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int = 1
-                 ) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
+# The decode attention's tunable fields (nanoqwen-tune --kernels attention), named as in the config. m = 1:
+# config attention's, where ctas_per_sm sets the splits (splits_for) and with the pipeline and consumer warps
+# fixes a row's rounding; m > 1: config multirow's ring, which changes no row's bits (the CTAs an SM holds
+# and the ring depth), beside the m = 1 fields.
+SINGLE_ROW_TILE = ("pipeline", "consumer_warps", "stages", "ctas_per_sm")
+MULTIROW_TILE = ("stages", "ctas_per_sm")
+
+
+def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int = 1, one: dict | None = None,
+                 tile: dict | None = None) -> tuple[RopeAppendSpec, AttentionDecodeSpec, AttentionCombineSpec]:
     """The three attention-side kernels of one decode step of ``m`` rows, in launch order. The splits do
     not depend on m: a row's pages split as in the single-row step, so it rounds the same (the ring depth
-    and the CTAs per SM do, config multirow)."""
-    a, page, rows = cfg.attention, cfg.kv_cache.page_size, cfg.multirow
-    splits = splits_for(dims.kv_heads, a.ctas_per_sm * gpu.sm_count)
+    and the CTAs per SM do, config multirow). ``one``: SINGLE_ROW_TILE fields in place of config
+    attention's (a tuned entry); ``tile``: MULTIROW_TILE fields in place of config multirow's (m > 1). An
+    unknown field is a SpecError."""
+    page, rows = cfg.kv_cache.page_size, cfg.multirow
+    a = _tile(SINGLE_ROW_TILE, {n: getattr(cfg.attention, n) for n in SINGLE_ROW_TILE}, one)
+    splits = splits_for(dims.kv_heads, a["ctas_per_sm"] * gpu.sm_count)
     # m > 1: more, smaller CTAs an SM (their 132 m CTAs are latency-bound); none of it changes a row's bits
-    ring = dict(stages=a.stages) if m == 1 else dict(stages=rows.attention_stages, ctas_per_sm=rows.attention_ctas_per_sm)
+    ring = dict(stages=a["stages"]) if m == 1 else _tile(
+        MULTIROW_TILE, dict(stages=rows.attention_stages, ctas_per_sm=rows.attention_ctas_per_sm), tile)
+    dec = AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
+                              page_size=page, consumer_warps=a["consumer_warps"], pipeline=a["pipeline"], m=m, **ring)
+    dec.validate()
     return (RopeAppendSpec(head_dim=dims.head_dim, heads=dims.heads, kv_heads=dims.kv_heads, page_size=page, m=m),
-            AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
-                                page_size=page, consumer_warps=a.consumer_warps, pipeline=a.pipeline, m=m, **ring),
-            AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
+            dec, AttentionCombineSpec(head_dim=dims.head_dim, heads=dims.heads, splits=splits, m=m))
+
+
+def _tile(names: tuple[str, ...], default: dict, given: dict | None) -> dict:
+    unknown = set(given or ()) - set(names)
+    if unknown:
+        raise SpecError(f"attention_decode: {', '.join(sorted(unknown))} is not a tunable field ({', '.join(names)})")
+    return {**default, **(given or {})}
 
 
 def specs_for_model(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT) -> list[KernelSpec]:
