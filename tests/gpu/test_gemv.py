@@ -148,6 +148,16 @@ MULTIROW_CASES = list(dict.fromkeys(
        for m in (2, 3, 8, 16) for t in (None, {"rows": 4, "unroll": 1, "prefetch": True})]
     + _tuned_multirow()))
 
+# The 512-thread m-row qkv kernel (the H200's tuned m = 8 and 16 tile) beside its 1-row kernel, with seeds whose
+# rows differed while the compiler chose per kernel which product of the RMSNorm's x * x + y * y to fuse (the
+# 1-row kernel fused x * x, the 16-row one y * y); --fmad=false in config codegen.nvrtc_options ends that.
+FUSED_SQUARES_ONE = gemv.role_spec("qkv", QWEN25_7B, CFG, lanes=16, rows=2, warps=4, tiles_per_warp=1, unroll=0)
+FUSED_SQUARES_TILE = dict(prefetch=True, rows=2, unroll=1, warps=16)
+FUSED_SQUARES = [(16, 339894517984029253835280563836087435779), (16, 3), (16, 5), (8, 4)]
+MULTIROW_CASES = list(dict.fromkeys(MULTIROW_CASES + [
+    ("7b", FUSED_SQUARES_ONE, gemv.multirow_spec(FUSED_SQUARES_ONE, m, CFG, tile=FUSED_SQUARES_TILE))
+    for m in sorted({m for m, _ in FUSED_SQUARES})]))
+
 
 @pytest.fixture(scope="module")
 def multirow_fns():
@@ -155,10 +165,10 @@ def multirow_fns():
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
 
 
-def _check_rows(multirow_fns, spec1, specm, massive_rows=()):
+def _check_rows(multirow_fns, spec1, specm, massive_rows=(), seed=RUN_SEED):
     m = specm.m
-    print(f"{specm.uri}: seed {RUN_SEED}")
-    case = GemvCase.seeded(specm, RUN_SEED, massive_rows=massive_rows)
+    print(f"{specm.uri}: seed {seed}")
+    case = GemvCase.seeded(specm, seed, massive_rows=massive_rows)
     try:
         many = case.run(multirow_fns[specm], specm).reshape(m, -1)
         alone = case.alone(multirow_fns[spec1], spec1).reshape(m, -1)
@@ -183,6 +193,14 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, spec1, specm)
     the same arithmetic per row by construction), and the numpy reference within the GEMV tolerance
     (class (b))."""
     _check_rows(multirow_fns, spec1, specm)
+
+
+@pytest.mark.parametrize("m,seed", FUSED_SQUARES)
+def test_multirow_norm_sum_is_the_single_row_sum(multirow_fns, m, seed):
+    """Rows whose RMSNorm sum of squares came out one ulp apart between the 512-thread m-row kernel and the
+    1-row kernel when the compiler fused the squares' products as it saw fit: bitwise equal now."""
+    _check_rows(multirow_fns, FUSED_SQUARES_ONE, gemv.multirow_spec(FUSED_SQUARES_ONE, m, CFG, tile=FUSED_SQUARES_TILE),
+                seed=seed)
 
 
 @pytest.mark.parametrize("m", [2, 8, 16])
