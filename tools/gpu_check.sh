@@ -27,7 +27,7 @@
 #                      beside them, itl-timeline.png); GPU_CHECK_TIMELINE_PROMPT sets its prompt length (default the
 #                      config protocol's 512; e.g. 16384 for the long-context step)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
-#   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark
+#   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark (GPU_CHECK_PREFILL_M: its row counts, default 32 512 4096)
 #   GPU_CHECK_ATTENTION 1 runs the decode attention benchmark (attention_decode + combine alone, m = 1..16
 #                      rows at 577 / 4097 / 16385 keys; GPU_CHECK_ATTENTION_ARGS adds e.g. --variant KEY=VALUE)
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
@@ -158,7 +158,8 @@ fi
     --out "$OUT/bench-7b-timeline.json" --plot "$OUT/itl-timeline.png" --timeline "$OUT/timeline.png" --timeline-rows 8
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
-[ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 240 $PY -m nanoqwen.bench.prefill --json "$OUT/prefill.json"
+[ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 240 $PY -m nanoqwen.bench.prefill ${GPU_CHECK_PREFILL_M:+--m $GPU_CHECK_PREFILL_M} \
+    --json "$OUT/prefill.json"
 [ "${GPU_CHECK_ATTENTION:-0}" = 1 ] && stage attention 240 $PY -m nanoqwen.bench.attention \
     ${GPU_CHECK_ATTENTION_ARGS:-} --json "$OUT/attention.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
