@@ -34,32 +34,33 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None, m
     default = gemv.multirow_spec(one, m, cfg, profile)
     if m == 1 or gpu is None:
         return default
-    key = entry_key(role, dims, cfg, gpu, m)
-    params = tuned_store.lookup_params(key)
-    if params is None:
-        return default   # m-row tiles are optional: no notice
-    if tuned_store.lookup_base(key) != one.uri:
-        _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 kernel): config defaults")
-        return default
-    try:
-        return gemv.multirow_spec(one, m, cfg, profile, tile=params)
-    except (SpecError, TypeError) as e:
-        _notice_once(f"stale tuned entry {key} ({e}): config defaults")
-        return default
+    return _tuned(entry_key(role, dims, cfg, gpu, m), lambda tile: gemv.multirow_spec(one, m, cfg, profile, tile=tile),
+                  default, base=one.uri)   # m-row tiles are optional: no notice when missing
 
 
 def _single_row(role: str, dims: ModelDims, cfg: config.Config, gpu: str | None) -> gemv.GemvInt4Spec:
     default = gemv.role_spec(role, dims, cfg)
     if gpu is None:
         return default
-    key = entry_key(role, dims, cfg, gpu)
+    return _tuned(entry_key(role, dims, cfg, gpu), lambda params: gemv.role_spec(role, dims, cfg, **params), default,
+                  missing=f"no tuned {role} GEMV for {gpu} (n{default.n} k{default.k}): config defaults "
+                          f"(run nanoqwen-tune)")
+
+
+def _tuned(key: str, make, default, base: str | None = None, kind: str = "kernel", missing: str | None = None):
+    """``make(params)`` of the tuned entry ``key``, else ``default``: when there is no entry (with the notice
+    ``missing``, if any), when an m-row entry was tuned beside another m = 1 kernel than the one of URI
+    ``base``, or when the current spec rules its params out (those two stale, each with a one-line notice)."""
     params = tuned_store.lookup_params(key)
     if params is None:
-        _notice_once(f"no tuned {role} GEMV for {gpu} (n{default.n} k{default.k}): config defaults "
-                     f"(run nanoqwen-tune)")
+        if missing:
+            _notice_once(missing)
+        return default
+    if base is not None and tuned_store.lookup_base(key) != base:
+        _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 {kind}): config defaults")
         return default
     try:
-        return gemv.role_spec(role, dims, cfg, **params)
+        return make(params)
     except (SpecError, TypeError) as e:
         _notice_once(f"stale tuned entry {key} ({e}): config defaults")
         return default
@@ -87,38 +88,24 @@ def attention_specs(dims: ModelDims, cfg: config.Config, gpu: str | None, m: int
     """attention.decode_specs of m rows on `gpu` (None: the config's), with the tuned m = 1 fields and, for
     m > 1, the tuned ring of that bucket when it was tuned beside the m = 1 kernel used now."""
     one = attention_params(dims, cfg, gpu, profile)
+    default = attention.decode_specs(dims, cfg, profile, m, one=one)
     if m == 1 or gpu is None:
-        return attention.decode_specs(dims, cfg, profile, m, one=one)
-    key = attention_key(dims, cfg, gpu, m)
+        return default
     base = attention.decode_specs(dims, cfg, profile, one=one)[1].uri
-    tile = None
-    if tuned_store.lookup_params(key) is not None and tuned_store.lookup_base(key) != base:
-        _notice_once(f"stale tuned entry {key} (tuned beside another m = 1 attention): config multirow")
-    else:
-        tile = _valid_params(key, lambda params: attention.decode_specs(dims, cfg, profile, m, one=one, tile=params))
-    return attention.decode_specs(dims, cfg, profile, m, one=one, tile=tile)
+    return _tuned(attention_key(dims, cfg, gpu, m),
+                  lambda tile: attention.decode_specs(dims, cfg, profile, m, one=one, tile=tile), default,
+                  base=base, kind="attention")
 
 
 def attention_params(dims: ModelDims, cfg: config.Config, gpu: str | None, profile: GpuProfile = DEFAULT) -> dict | None:
     """The tuned m = 1 fields of the decode attention on `gpu` (None: the config's)."""
     if gpu is None:
         return None
-    return _valid_params(attention_key(dims, cfg, gpu), lambda params: attention.decode_specs(dims, cfg, profile,
-                                                                                               one=params))
 
-
-def _valid_params(key: str, make) -> dict | None:
-    """The entry's params when ``make(params)`` accepts them; None when there is none or it is stale
-    (with a notice)."""
-    params = tuned_store.lookup_params(key)
-    if params is None:
-        return None
-    try:
-        make(params)
-    except (SpecError, TypeError) as e:
-        _notice_once(f"stale tuned entry {key} ({e}): config defaults")
-        return None
-    return params
+    def checked(params):   # a stale entry raises here
+        attention.decode_specs(dims, cfg, profile, one=params)
+        return params
+    return _tuned(attention_key(dims, cfg, gpu), checked, None)
 
 
 def tuned_attention_specs(dims: ModelDims, cfg: config.Config) -> list:
