@@ -189,21 +189,17 @@ def run(ms=(32, 512, 4096)) -> dict:
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
                       f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
                       f"({base})", flush=True)
-            for spec, kw in _tiles(wgmmas[role], WGMMA_VARIANTS, role, m):   # against the same fp16 time
-                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
-                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
-                out["wgmma"].append(r)
-                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
-                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'wgmma ' + str(kw or 'default'):45s} "
-                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s ({vs})", flush=True)
-            for spec, kw in _tiles(orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS, role, m):
-                r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
-                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
-                out["gemv_order"].append(r)
-                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
-                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {'gemv order ' + str(kw or 'default'):45s} "
-                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
-                      f"({vs})", flush=True)
+            others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),
+                      ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS))
+            for section, family_default, family_variants in others:   # against the same fp16 time
+                for spec, kw in _tiles(family_default, family_variants, role, m):
+                    r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
+                    r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
+                    out[section].append(r)
+                    vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
+                    label = section.replace("_", " ") + " " + str(kw or "default")
+                    print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
+                          f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs})", flush=True)
         a = bench_attention(m, stream, rng)
         out["attention"].append(a)
         print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
