@@ -12,7 +12,8 @@ constexpr int NORM_THREADS = 128;              // virtual threads of the sum's l
 constexpr int NORM_WARPS = NORM_THREADS / 32;
 
 // Sum of the squares of 8 elements of h (p: elements 0..3, c: 4..7): one expression, so every layout
-// rounds it alike.
+// rounds it alike, because kernels compile with --fmad=false (config codegen.nvrtc_options). With fused
+// multiply-adds left to the compiler it fused x*x in one kernel and y*y in another, and rows differed.
 NQ_DEVICE float sq8(float4 p, float4 c) {
     return p.x * p.x + p.y * p.y + p.z * p.z + p.w * p.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
 }
