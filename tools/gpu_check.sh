@@ -144,7 +144,8 @@ fi
 if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
     # The budget is judging time; each (bucket, family) sweep also compiles its candidates first (~80 s on the
     # H100 machine for the four m-row GEMV roles), outside the budget.
-    sweeps=$(( $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_ROWS:-1}" | grep -c .) * $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_KERNELS:-gemv}" | grep -c .) ))
+    sweeps=$(( $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_ROWS:-1}" | grep -c .) \
+               * $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_KERNELS:-gemv}" | grep -c .) ))
     stage tune $(( GPU_CHECK_TUNE + 100 * sweeps + 20 )) $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE" \
         --rows "${GPU_CHECK_TUNE_ROWS:-1}" --roles "${GPU_CHECK_TUNE_ROLES:-qkv,o_proj,gate_up,down}" \
         --kernels "${GPU_CHECK_TUNE_KERNELS:-gemv}" ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}

@@ -152,11 +152,10 @@ MULTIROW_CASES = list(dict.fromkeys(
 # rows differed while the compiler chose per kernel which product of the RMSNorm's x * x + y * y to fuse (the
 # 1-row kernel fused x * x, the 16-row one y * y); --fmad=false in config codegen.nvrtc_options ends that.
 FUSED_SQUARES_ONE = gemv.role_spec("qkv", QWEN25_7B, CFG, lanes=16, rows=2, warps=4, tiles_per_warp=1, unroll=0)
-FUSED_SQUARES_TILE = dict(prefetch=True, rows=2, unroll=1, warps=16)
+FUSED_SQUARES_ROWS = {m: gemv.multirow_spec(FUSED_SQUARES_ONE, m, CFG, tile=dict(prefetch=True, rows=2, unroll=1,
+                                                                                 warps=16)) for m in (8, 16)}
 FUSED_SQUARES = [(16, 339894517984029253835280563836087435779), (16, 3), (16, 5), (8, 4)]
-MULTIROW_CASES = list(dict.fromkeys(MULTIROW_CASES + [
-    ("7b", FUSED_SQUARES_ONE, gemv.multirow_spec(FUSED_SQUARES_ONE, m, CFG, tile=FUSED_SQUARES_TILE))
-    for m in sorted({m for m, _ in FUSED_SQUARES})]))
+MULTIROW_CASES = list(dict.fromkeys(MULTIROW_CASES + [("7b", FUSED_SQUARES_ONE, s) for s in FUSED_SQUARES_ROWS.values()]))
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +198,7 @@ def test_multirow_rows_are_bitwise_single_row(multirow_fns, model, spec1, specm)
 def test_multirow_norm_sum_is_the_single_row_sum(multirow_fns, m, seed):
     """Rows whose RMSNorm sum of squares came out one ulp apart between the 512-thread m-row kernel and the
     1-row kernel when the compiler fused the squares' products as it saw fit: bitwise equal now."""
-    _check_rows(multirow_fns, FUSED_SQUARES_ONE, gemv.multirow_spec(FUSED_SQUARES_ONE, m, CFG, tile=FUSED_SQUARES_TILE),
-                seed=seed)
+    _check_rows(multirow_fns, FUSED_SQUARES_ONE, FUSED_SQUARES_ROWS[m], seed=seed)
 
 
 @pytest.mark.parametrize("m", [2, 8, 16])
