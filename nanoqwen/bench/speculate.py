@@ -15,7 +15,8 @@
       (`--speculate lookup`) against plain greedy decoding: acceptance, accepted tokens per verify,
       speed-up, and the output equal token for token.
 
-Every speculative run is checked against plain greedy decoding (the same tokens, no tolerance)."""
+Every speculative run is checked against plain greedy decoding (the same tokens, no tolerance). `--steps`
+measures (a) and (a') for the 7B alone: a quick A/B of the m-row kernels, run in each tree."""
 
 from __future__ import annotations
 
@@ -237,7 +238,7 @@ def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
         session.close()
 
 
-def run(log=None) -> dict:
+def run(log=None, steps_only: bool = False) -> dict:
     from ..runtime.session import CudaSession
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
@@ -253,6 +254,8 @@ def run(log=None) -> dict:
         log("multi-row step times")
         res["step"] = step_times(session)
         res["step_wall_ms"] = wall_times(session)
+        if steps_only:
+            return res
         log("oracle drafts")
         res["oracle"] = oracle_rates(session, rng, vocab)
     finally:
@@ -278,11 +281,16 @@ def wall_line(label: str, wall: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.speculate", description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--steps", action="store_true",
+                   help="the multi-row step times alone (a quick A/B of the m-row kernels between two trees)")
     args = p.parse_args(argv)
-    res = run()
+    res = run(steps_only=args.steps)
     for m, s in res["step"].items():
         print(f"step m={m}: {s['ms']:.3f} ms ({s['vs_m1']:.2f}x m=1)")
     print(wall_line("7B", res["step_wall_ms"]))
+    if args.steps:
+        protocol.save(res, args.json)
+        return 0
     o = res["oracle"]
     print(f"plain {o['plain_tokens_per_s']:.1f} tokens/s; " + "; ".join(
         f"oracle k={k}: {o[f'k{k}']['tokens_per_s']:.1f} tokens/s ({o[f'k{k}']['speedup']:.2f}x)" for k in ORACLE_K))
