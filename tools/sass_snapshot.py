@@ -1,15 +1,19 @@
 """Dump the SASS of every kernel the 7B, the tiny and the small-py test models need (plus the tuned GEMVs, the
 GEMV variants the tests compile and the "plain" attention oracle) into DIR, one file per kernel, so a refactor can be checked by diff.
 
-  python tools/sass_snapshot.py DIR            then   diff -r BEFORE AFTER
+  python tools/sass_snapshot.py DIR                      dump
+  python tools/sass_snapshot.py --compare BEFORE AFTER   which kernels differ, appeared or went
 
 A file is named <model>-<index>-<uri without its hash>.sass; the entry name inside is replaced by KERNEL, so
 a change of the spec hash alone (a new spec field) does not show as a difference. The first lines hold the
-resource report (registers, static shared memory) and the launch shape."""
+resource report (registers, static shared memory) and the launch shape. --compare pairs the files of two
+dumps by (model, name), not by index (a kernel added to a list shifts the indices after it); names that
+several kernels share (fields outside the URI, such as out_f16) pair by content first."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -49,7 +53,37 @@ def main(out: str) -> int:
     return 0
 
 
+def _by_name(folder: Path) -> dict[tuple[str, str], list[str]]:
+    """(model, name) -> the contents of the files of that name (several when fields outside the URI differ)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for f in sorted(folder.glob("*.sass")):
+        model, _, name = re.fullmatch(r"(.+?)-(\d+)-(.+)\.sass", f.name).groups()
+        out.setdefault((model, name), []).append(f.read_text())
+    return out
+
+
+def compare(before: str, after: str) -> int:
+    old, new = _by_name(Path(before)), _by_name(Path(after))
+    changed = []
+    for key in sorted(old.keys() & new.keys()):
+        unmatched = list(new[key])
+        for text in old[key]:
+            if text in unmatched:
+                unmatched.remove(text)
+        if unmatched or len(old[key]) != len(new[key]):
+            changed.append(key)
+    for label, keys in (("differ", changed), ("only before", sorted(old.keys() - new.keys())),
+                        ("only after", sorted(new.keys() - old.keys()))):
+        for model, name in keys:
+            print(f"{label}: {model} {name}")
+    print(f"{sum(map(len, old.values()))} kernels before, {sum(map(len, new.values()))} after: {len(changed)} "
+          f"names differ, {len(old.keys() - new.keys())} only before, {len(new.keys() - old.keys())} only after")
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--compare":
+        sys.exit(compare(sys.argv[2], sys.argv[3]))
     if len(sys.argv) != 2:
-        sys.exit("usage: python tools/sass_snapshot.py DIR")
+        sys.exit("usage: python tools/sass_snapshot.py DIR | --compare BEFORE AFTER")
     sys.exit(main(sys.argv[1]))
