@@ -120,6 +120,27 @@ def scalar(name: str, ctype: str, note: str = "") -> Param:
 PROBE_PARAM = out(probe.PARAM_NAME, "u64", note=probe.PARAM_NOTE)
 
 
+class VariantParams:
+    """Mixin of the families whose variants take different parameters: ``_family_params()`` lists every
+    parameter of the family in C++ order with whether this variant takes it. ``kernel_params`` are the ones
+    it takes; the template variable ``absent_params`` holds the constants standing for the others
+    (Param.null_constant), which the template reads only in branches the variant discards."""
+
+    def _family_params(self) -> tuple[tuple[Param, bool], ...]:
+        raise NotImplementedError(f"{type(self).__name__}._family_params()")
+
+    @property
+    def kernel_params(self) -> tuple[Param, ...]:
+        return tuple(p for p, taken in self._family_params() if taken)
+
+    @property
+    def absent_params(self) -> str:
+        return "\n".join(p.null_constant() for p, taken in self._family_params() if not taken)
+
+    def context(self) -> dict:
+        return super().context() | {"absent_params": self.absent_params}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     family: ClassVar[str]

@@ -26,7 +26,7 @@ from typing import ClassVar
 from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
+from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out
 
 MAX_ROWS = 16   # the multi-row step's largest bucket
 
@@ -43,10 +43,6 @@ def _row_params(m: int) -> tuple[tuple[Param, bool], ...]:
                                           "starts in page_table (entries)"), m > 1))
 
 
-def _absent(params) -> str:
-    return "\n".join(p.null_constant() for p, taken in params if not taken)
-
-
 def _row_table(m: int) -> str:
     """The statement (m > 1) that points ``page_table`` at row r's own table; appended to the line that
     reads the row's position, so an m = 1 source is the decode step's, unchanged."""
@@ -61,7 +57,7 @@ VEC = 8                        # fp16 per lane per K/V row in attention_decode (
 
 
 @dataclass(frozen=True)
-class AttentionDecodeSpec(KernelSpec):
+class AttentionDecodeSpec(VariantParams, KernelSpec):
     family = "attention_decode"
     template = "attention_decode.cu.j2"
     timeable = True   # templates/attention_decode.cu.j2 places the timeline probe's hooks
@@ -90,10 +86,6 @@ class AttentionDecodeSpec(KernelSpec):
         return (*_row_params(self.m), (inp("q_rot", "float"), True), (inp("k_pool", "f16"), True),
                 (inp("v_pool", "f16"), True), (inp("page_table", "int"), True), (out("part_acc", "float"), True),
                 (out("part_ml", "float"), True))
-
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
 
     def validate(self) -> None:
         super().validate()
@@ -158,8 +150,7 @@ class AttentionDecodeSpec(KernelSpec):
 
     def context(self) -> dict:
         return super().context() | {"scale_log2": math.log2(math.e) / math.sqrt(self.head_dim),
-                                    "absent_params": _absent(self._family_params()), "row_table": _row_table(self.m),
-                                    "ring_dynamic": self.ring_dynamic}
+                                    "row_table": _row_table(self.m), "ring_dynamic": self.ring_dynamic}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.kv_heads, self.splits, self.m),
@@ -194,7 +185,7 @@ class AttentionCombineSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class RopeAppendSpec(KernelSpec):
+class RopeAppendSpec(VariantParams, KernelSpec):
     family = "rope_append"
     template = "rope_append.cu.j2"
     timeable = True   # templates/rope_append.cu.j2 places the timeline probe's hooks
@@ -211,12 +202,8 @@ class RopeAppendSpec(KernelSpec):
                 (inp("rope_sin", "float"), True), (inp("page_table", "int"), True), (out("q_rot", "float"), True),
                 (out("k_pool", "f16"), True), (out("v_pool", "f16"), True))
 
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
-
     def context(self) -> dict:
-        return super().context() | {"absent_params": _absent(self._family_params()), "row_table": _row_table(self.m)}
+        return super().context() | {"row_table": _row_table(self.m)}
 
     def validate(self) -> None:
         super().validate()

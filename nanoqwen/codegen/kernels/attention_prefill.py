@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from ...config import Config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
+from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out, scalar
 
 MAX_KV_SPLITS = 16   # split-KV variant's most splits: 16 x 28 heads = 448 CTAs on the 7B (132 SMs)
 
@@ -50,11 +50,6 @@ def chunk_params(device_chunk: bool) -> tuple[tuple[Param, bool], ...]:
     (``device_chunk``) one device pointer to both, which a captured graph reads at replay."""
     return ((scalar("p0", "int"), not device_chunk), (scalar("n", "int"), not device_chunk),
             (inp("chunk", "int", note="p0, n"), device_chunk))
-
-
-def absent_params(family_params) -> str:
-    """The constants standing for the parameters a variant does not take (Param.null_constant)."""
-    return "\n".join(p.null_constant() for p, taken in family_params if not taken)
 
 
 def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_size: int) -> None:
@@ -67,7 +62,7 @@ def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_siz
 
 
 @dataclass(frozen=True)
-class RopeAppendPrefillSpec(KernelSpec):
+class RopeAppendPrefillSpec(VariantParams, KernelSpec):
     family = "rope_append_prefill"
     template = "rope_append_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads")
@@ -84,13 +79,6 @@ class RopeAppendPrefillSpec(KernelSpec):
                 (inp("page_table", "int"), True), (out("q_rot", "float"), True), (out("k_pool", "f16"), True),
                 (out("v_pool", "f16"), True), *chunk_params(self.device_chunk))
 
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
-
-    def context(self) -> dict:
-        return super().context() | {"absent_params": absent_params(self._family_params())}
-
     def validate(self) -> None:
         super().validate()
         _check_heads(self.family, self.head_dim, self.heads, self.kv_heads, self.page_size)
@@ -103,7 +91,7 @@ class RopeAppendPrefillSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class AttentionPrefillSpec(KernelSpec):
+class AttentionPrefillSpec(VariantParams, KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
     uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "block_keys", "max_splits")
@@ -128,13 +116,6 @@ class AttentionPrefillSpec(KernelSpec):
                 (inp("page_table", "int"), True), (out("o16", "f16"), not split_kv),
                 (out("part_acc", "float"), split_kv), (out("part_ml", "float"), split_kv),
                 *chunk_params(self.device_chunk))
-
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
-
-    def context(self) -> dict:
-        return super().context() | {"absent_params": absent_params(self._family_params())}
 
     def validate(self) -> None:
         super().validate()
@@ -182,7 +163,7 @@ class AttentionPrefillSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class AttentionPrefillCombineSpec(KernelSpec):
+class AttentionPrefillCombineSpec(VariantParams, KernelSpec):
     family = "attention_prefill_combine"
     template = "attention_prefill_combine.cu.j2"
     uri_fields = ("head_dim", "heads", "block_keys")
@@ -196,13 +177,6 @@ class AttentionPrefillCombineSpec(KernelSpec):
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         return ((inp("part_acc", "float"), True), (inp("part_ml", "float"), True), (out("o16", "f16"), True),
                 *chunk_params(self.device_chunk))
-
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
-
-    def context(self) -> dict:
-        return super().context() | {"absent_params": absent_params(self._family_params())}
 
     def validate(self) -> None:
         super().validate()

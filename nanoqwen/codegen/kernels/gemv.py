@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ... import config, quant
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, whole_splits
+from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out, whole_splits
 from .gemm import NORM_THREADS
 
 EPILOGUES = ("plain", "bias", "residual", "swiglu")
@@ -32,7 +32,7 @@ VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast pat
 
 
 @dataclass(frozen=True)
-class GemvInt4Spec(KernelSpec):
+class GemvInt4Spec(VariantParams, KernelSpec):
     family = "gemv_int4"
     template = "gemv_int4.cu.j2"
     timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
@@ -125,10 +125,6 @@ class GemvInt4Spec(KernelSpec):
                 (inp("bias", "f16"), self.epilogue == "bias"),
                 (out("y", "f16" if self.out_f16 else "float"), True))
 
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
-
     def io_bytes(self) -> int:
         """Activation bytes one call moves beside the weights, for all m rows: x (or h + the norm weight),
         bias, y (read + write for the residual)."""
@@ -200,9 +196,8 @@ class GemvInt4Spec(KernelSpec):
             raise SpecError(f"{f}: {e}") from None
 
     def context(self) -> dict:
-        absent = [p.null_constant() for p, taken in self._family_params() if not taken]
         return super().context() | dict(
-            unroll_eff=self.unroll_eff, grid_x=self.grid_x, absent_params="\n".join(absent),
+            unroll_eff=self.unroll_eff, grid_x=self.grid_x,
             xs_dynamic=self.xs_dynamic,
             # when the staged x already allows one CTA per SM, say so: ptxas may then use every register
             # (without the hint it stopped at 128 and spilled on m = 16 at lanes 32, rows 1)

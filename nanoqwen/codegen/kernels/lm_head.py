@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ... import config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
-from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
+from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out, scalar
 
 ERR_NO_FINITE_LOGIT = 2   # *err bit: every logit was NaN (state[0] = 0)
 ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not written)
@@ -55,7 +55,7 @@ def lane_vecs(hidden: int) -> int:
 
 
 @dataclass(frozen=True)
-class LmHeadArgmaxSpec(KernelSpec):
+class LmHeadArgmaxSpec(VariantParams, KernelSpec):
     family = "lm_head_argmax"
     template = "lm_head_argmax.cu.j2"
     timeable = True   # templates/lm_head_argmax.cu.j2 places the timeline probe's hooks
@@ -77,10 +77,6 @@ class LmHeadArgmaxSpec(KernelSpec):
                 (out("logits", "float", note="or 0 to skip it"), True), (out("state", "int"), self.m == 1),
                 (out("tokens_out", "int"), True), (scalar("tokens_cap", "u32"), True),
                 (out("partials", "u64"), True), (out("argmax_done", "u32"), True), (out("err", "u32"), True))
-
-    @property
-    def kernel_params(self) -> tuple[Param, ...]:
-        return tuple(p for p, taken in self._family_params() if taken)
 
     @property
     def xs_bytes(self) -> int:
@@ -124,11 +120,10 @@ class LmHeadArgmaxSpec(KernelSpec):
                             f"memory > {_SMEM_STATIC_MAX}")
 
     def context(self) -> dict:
-        absent = [p.null_constant() for p, taken in self._family_params() if not taken]
         note = "// Parameters this variant does not take: null, read only in if constexpr branches it discards."
+        absent = self.absent_params
         return {**super().context(), "err_no_finite_logit": ERR_NO_FINITE_LOGIT,
-                "err_tokens_out_full": ERR_TOKENS_OUT_FULL,
-                "absent_params": "".join(f"\n{line}" for line in [note, *absent]) if absent else ""}
+                "err_tokens_out_full": ERR_TOKENS_OUT_FULL, "absent_params": f"\n{note}\n{absent}" if absent else ""}
 
     def launch(self) -> Launch:
         return Launch(grid=(self.ctas, 1, 1), block=(32 * self.warps, 1, 1),
