@@ -25,6 +25,17 @@ from ..spec import KernelSpec, Launch, Param, SpecError, inp, out
 ERR_TOKEN_RANGE = 1  # *err bit set by the embed kernel: state[0] was not a valid token id
 
 
+def check_table(spec) -> None:
+    """The fields both embed kernels share: the table's row length and rows, and the block size."""
+    f = spec.family
+    if spec.hidden <= 0 or spec.hidden % 8:
+        raise SpecError(f"{f}.hidden must be a positive multiple of 8 (16-byte rows), got {spec.hidden}")
+    if not 0 < spec.vocab < 2**31:
+        raise SpecError(f"{f}.vocab must be in 1..2^31-1, got {spec.vocab}")
+    if spec.threads % 32 or not 32 <= spec.threads <= 1024:
+        raise SpecError(f"{f}.threads must be a multiple of 32 in 32..1024, got {spec.threads}")
+
+
 @dataclass(frozen=True)
 class EmbedSpec(KernelSpec):
     family = "embed"
@@ -41,12 +52,7 @@ class EmbedSpec(KernelSpec):
 
     def validate(self) -> None:
         super().validate()
-        if self.hidden <= 0 or self.hidden % 8:
-            raise SpecError(f"embed.hidden must be a positive multiple of 8 (16-byte rows), got {self.hidden}")
-        if not 0 < self.vocab < 2**31:
-            raise SpecError(f"embed.vocab must be in 1..2^31-1, got {self.vocab}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise SpecError(f"embed.threads must be a multiple of 32 in 32..1024, got {self.threads}")
+        check_table(self)
 
     def context(self) -> dict:
         return {**super().context(), "err_token_range": ERR_TOKEN_RANGE}

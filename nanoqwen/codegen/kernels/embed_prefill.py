@@ -22,7 +22,7 @@ from ... import config
 from ...dims import ModelDims
 from ..gpu import DEFAULT, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, inp, out, scalar
-from .embed import ERR_TOKEN_RANGE
+from .embed import ERR_TOKEN_RANGE, check_table
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,9 @@ class EmbedPrefillSpec(KernelSpec):
 
     def validate(self) -> None:
         super().validate()
-        f = self.family
-        if self.hidden <= 0 or self.hidden % 8:
-            raise SpecError(f"{f}.hidden must be a positive multiple of 8 (16-byte rows), got {self.hidden}")
-        if not 0 < self.vocab < 2**31:
-            raise SpecError(f"{f}.vocab must be in 1..2^31-1, got {self.vocab}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise SpecError(f"{f}.threads must be a multiple of 32 in 32..1024, got {self.threads}")
+        check_table(self)
         if not 0 < self.max_n <= 65535:
-            raise SpecError(f"{f}.max_n must be in 1..65535 (grid y), got {self.max_n}")
+            raise SpecError(f"{self.family}.max_n must be in 1..65535 (grid y), got {self.max_n}")
 
     def context(self) -> dict:
         return {**super().context(), "err_token_range": ERR_TOKEN_RANGE}
