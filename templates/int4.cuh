@@ -85,6 +85,11 @@ NQ_DEVICE f16 ld_nc_f16(const f16* p) {
 NQ_DEVICE void cluster_sync() {   // every thread of every CTA of the cluster; release/acquire on shared memory
     asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
+// The `threads` threads (whole warps) that share barrier `id` (1..15; 0 is __syncthreads): the KWARPS warps of
+// one tile, which meet in shared memory while the CTA's other tiles go on.
+NQ_DEVICE void named_barrier_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
 // Load a float from CTA `rank`'s copy of the shared variable at `p` (same offset in every CTA).
 NQ_DEVICE float ld_cluster_f32(const float* p, u32 rank) {
     u32 local = (u32)__cvta_generic_to_shared(p), remote;

@@ -164,6 +164,9 @@ def _spec(**kw) -> gemv.GemvInt4Spec:
     (dict(mma=True, lanes=4, rows=1), "rows 2 or 4"),
     (dict(mma=True, lanes=4, group=64), "group=128"),
     (dict(mma=True, lanes=4, epilogue="residual", k=384, splitk=2), "group boundaries"),
+    (dict(kwarps=2), "be 1 without mma"),
+    (dict(mma=True, lanes=4, warps=2, kwarps=4), "divide warps"),
+    (dict(mma=True, lanes=4, warps=6, kwarps=3), "1, 2, 4 or 8"),
     (dict(k=4096, rows=16, epilogue="swiglu", out_f16=True), "registers|power of two"),
     (dict(warps=0), "warps"),
     (dict(eps=0.0), "eps"),
@@ -201,7 +204,8 @@ def test_weight_bytes():
 
 BUCKETS = CFG.multirow.buckets
 SMALL_PY = ModelDims.from_hf_dir(SMALL_PY_DIR)
-ORDER_FIELDS = ("n", "k", "epilogue", "norm", "out_f16", "eps", "group", "lane_offsets", "mma", "lanes", "splitk")
+ORDER_FIELDS = ("n", "k", "epilogue", "norm", "out_f16", "eps", "group", "lane_offsets", "mma", "lanes", "splitk",
+                "kwarps")
 
 
 @pytest.mark.parametrize("dims", [QWEN25_7B, SMALL_PY], ids=["7b", "small-py"])
@@ -257,6 +261,22 @@ def test_multirow_tile_rechooses_only_what_leaves_a_rows_order(role):
         gemv.multirow_spec(one, 1, CFG, tile={"rows": 2})
 
 
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_warps_sharing_a_tile_split_its_groups(role):
+    """kwarps warps share each 16-row tensor-core tile along K: a CTA works on warps / kwarps tiles at once
+    (the grid grows by kwarps), the staged x is padded to whole rounds of kwarps groups, and the m-row
+    kernels keep kwarps, which orders a row's sum; without it a spec keeps its name."""
+    one = gemv.role_spec(role, QWEN25_7B, CFG, **gemv.MMA_TILE)
+    four = gemv.role_spec(role, QWEN25_7B, CFG, **{**gemv.MMA_TILE, "kwarps": 4, "unroll": 2})
+    assert four.tgroups == 2 and four.grid_x == -(-four.tiles // (2 * four.tiles_per_warp))
+    assert four.witers == -(-one.iters // 4) and (four.xs_bytes // 64 - 1) % (4 * four.lanes) == 0
+    assert "constexpr int KWARPS = 4;" in codegen.render(four) and "_kwarps4_" in four.uri
+    assert "kwarps" not in one.uri and "kwarps" not in one.spec_repr
+    assert all(s.kwarps == 4 for s in (gemv.multirow_spec(four, m, CFG) for m in BUCKETS))
+    with pytest.raises(SpecError, match="would change a row's order"):
+        gemv.multirow_spec(four, 8, CFG, tile={"kwarps": 1})
+
+
 @pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])
 def test_rmsnorm_sum_has_one_layout_whatever_the_block(warps):
     """The RMSNorm prologue sums squares over the NORM_THREADS = 128 virtual threads of rmsnorm.cuh (the
@@ -268,9 +288,23 @@ def test_rmsnorm_sum_has_one_layout_whatever_the_block(warps):
     assert f"constexpr int NORM_THREADS = {gemm.NORM_THREADS};" in header
     spec = dataclasses.replace(gemv.role_spec("gate_up", QWEN25_7B, CFG), warps=warps)
     src = codegen.render(spec)
-    assert '#include "rmsnorm.cuh"' in src and src.count("sq8(ha[j], hb[j])") == 2
+    assert '#include "rmsnorm.cuh"' in src and src.count("sq8(ha[b][j], hb[b][j])") == 2
     built = codegen.build(spec)
     assert not built.resources.spill_stores and built.resources.shared_static >= (0 if warps == 4 else 4 * 3584 // 8)
+
+
+@pytest.mark.parametrize("role", gemv.ROLES)
+def test_m_row_kernels_stage_rows_together(role):
+    """An m-row kernel stages x (or normalises h) stage_rows rows at a time, their loads in flight together,
+    within STAGE_REGISTERS a thread; m = 1 stages one, as it always did. Rows batched this way keep their
+    arithmetic (the GPU's test_multirow_rows_are_bitwise_single_row, m = 3 included: a partial batch)."""
+    one = gemv.role_spec(role, QWEN25_7B, CFG)
+    assert one.stage_rows == 1 and "constexpr int SB = 1;" in codegen.render(one)
+    for m in BUCKETS[1:]:
+        spec = gemv.role_spec(role, QWEN25_7B, CFG, m=m)
+        assert 1 < spec.stage_rows <= m and f"constexpr int SB = {spec.stage_rows};" in codegen.render(spec)
+    # 32 registers: 8 warps hold 2 vectors of h a thread (16 floats a row), or one 4-word vector of x a row
+    assert gemv.role_spec(role, QWEN25_7B, CFG, m=16).stage_rows == (2 if one.norm else 8)
 
 
 def test_prefetch_keeps_the_loads_a_lane_can_hold():

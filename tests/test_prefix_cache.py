@@ -1,7 +1,8 @@
 """The prefix-reuse policy both engines share (runtime/prefix_cache.py), on the CPU: longest-common-prefix
-matching capped at P - 1, taking a kept sequence over or sharing its full pages, LRU eviction when pages run
-short, and page accounting that never loses a page, never frees a held one and never lets a request write a
-page another sequence holds (hypothesis drives random request streams over simulated page contents)."""
+matching capped at P - 1 (the most recent sequence wins a tie), taking a kept sequence over or sharing its
+full pages, LRU eviction when pages run short, and page accounting that never loses a page, never frees a
+held one and never lets a request write a page another sequence holds (hypothesis drives random request
+streams over simulated page contents)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_a_request_that_parts_inside_the_prompt_shares_full_pages():
     c.keep(warm, file[:9])
     again = c.start(file[:10] + [99], total=12)           # the next keystroke finds the file whole
     assert again.reused == 8 and again.pages[:2] == f.pages[:2], "parts inside f's prompt: shares f again"
-    assert c.match(file[:10] + [99]) == (fkey, 10)
+    assert again.payload is f.payload and list(c.kept)[-1] == fkey, "f is the most recently used again"
 
 
 def test_pages_shared_with_running_requests_survive_eviction():
@@ -88,20 +89,23 @@ def test_pages_shared_with_running_requests_survive_eviction():
 
 
 def test_reuse_is_capped_so_the_last_prompt_token_runs():
-    c = PrefixCache(num_pages=8, page_size=PAGE)
-    c.keep(c.start([1, 2, 3, 4, 5, 6], 8), [1, 2, 3, 4, 5, 6, 7, 8])
-    assert c.match([1, 2, 3, 4, 5, 6])[1] == 5          # whole prompt cached: still recompute the last one
-    assert c.match([1, 2, 3, 4, 5, 6, 7, 8, 9])[1] == 8
-    assert c.match([1]) == (None, 0)
-    assert c.match([2, 1]) == (None, 0)
+    def reused(prompt):
+        c = PrefixCache(num_pages=8, page_size=PAGE)
+        c.keep(c.start([1, 2, 3, 4, 5, 6], 8), [1, 2, 3, 4, 5, 6, 7, 8])
+        return c.start(prompt, len(prompt) + 1).reused
+    assert reused([1, 2, 3, 4, 5, 6]) == 5              # whole prompt cached: still recompute the last one
+    assert reused([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert reused([1]) == 0
+    assert reused([2, 1]) == 0
 
 
 def test_most_recent_wins_a_tie():
     c = PrefixCache(num_pages=8, page_size=PAGE)
-    for toks in ([1, 2, 3], [1, 2, 4]):
-        c.keep(c.start(toks, 3), toks, payload=toks[-1])
-    key, L = c.match([1, 2, 7])
-    assert L == 2 and c.kept[key].payload == 4
+    for last in (3, 4):                                  # two sequences parting after 2 pages
+        toks = list(range(10, 10 + 2 * PAGE)) + [last]
+        c.keep(c.start(toks, len(toks)), toks, payload=last)
+    lease = c.start(list(range(10, 10 + 2 * PAGE)) + [7], 2 * PAGE + 1)
+    assert lease.reused == 2 * PAGE and lease.payload == 4
 
 
 def test_lru_eviction_when_pages_run_short():
@@ -110,7 +114,6 @@ def test_lru_eviction_when_pages_run_short():
         toks = [first + i for i in range(8)]
         c.keep(c.start(toks, 8), toks)
     assert c.pool.free == 0
-    c.match([20, 21])                                   # matching alone does not refresh
     lease = c.start([40, 41, 42], total=7)              # 2 pages: evicts the oldest (10...)
     assert [k.tokens[0] for k in c.kept.values()] == [20, 30]
     c.keep(lease, [40, 41, 42])
@@ -159,21 +162,22 @@ def test_random_streams_conserve_pages_and_reuse_only_true_prefixes(reqs, num_pa
     def read(pages, n):
         return [slots.get((pages[i // PAGE], i % PAGE)) for i in range(n)]
 
-    for prompt, new, produced in reqs:
+    for r, (prompt, new, produced) in enumerate(reqs):
         total = len(prompt) + new - 1
         if c.pages_for(total) > num_pages:
             continue
-        before = {key: list(k.tokens) for key, k in c.kept.items()}
-        key, L = c.match(prompt)
-        order = list(before)   # least recently used first: the most recent of the longest wins
-        n, i = max(((common_prefix(before[k], prompt), i) for i, k in enumerate(order)), default=(0, -1))
-        assert key == (order[i] if n and len(prompt) > 1 else None)
+        before = {key: (list(k.tokens), k.prompt, k.payload) for key, k in c.kept.items()}
+        # the model: the most recent of the longest shared prefixes, capped at P - 1; sharing (parting
+        # inside its prompt) rounds the reuse down to a page boundary, taking it over does not
+        order = list(before)   # least recently used first
+        n, i = max(((common_prefix(before[k][0], prompt), i) for i, k in enumerate(order)), default=(0, -1))
+        L = min(n, len(prompt) - 1)
+        if n and n < before[order[i]][1]:
+            L -= L % PAGE
         lease = c.start(prompt, total)
-        assert lease.reused <= L <= len(prompt) - 1 and L - lease.reused < PAGE
-        assert L == max([min(common_prefix(t, prompt), len(prompt) - 1) for t in before.values()] + [0])
-        if key is not None and lease.reused:
-            held = before[key]
-            assert held[:L] == prompt[:L] and L == min(common_prefix(held, prompt), len(prompt) - 1)
+        assert lease.reused == L
+        if L:
+            assert lease.payload == before[order[i]][2], "continues the most recent of the longest"
         assert read(lease.pages, lease.reused) == prompt[:lease.reused], "reused positions hold the prompt"
         assert len(lease.pages) == c.pages_for(total)
         for p in lease.pages[lease.reused // PAGE:]:
@@ -181,7 +185,7 @@ def test_random_streams_conserve_pages_and_reuse_only_true_prefixes(reqs, num_pa
         written = prompt + [9] * min(produced, new - 1)
         for i in range(lease.reused, len(written)):
             slots[lease.pages[i // PAGE], i % PAGE] = written[i]
-        c.keep(lease, written)
+        c.keep(lease, written, payload=r)
         for k in c.kept.values():
             assert len(k.pages) == c.pages_for(len(k.tokens))
             assert read(k.pages, len(k.tokens)) == k.tokens, "a kept sequence's K/V was overwritten"

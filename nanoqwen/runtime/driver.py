@@ -398,7 +398,7 @@ class Function:
         self.uri = uri or entry
         self.params = ArgPacker(signature, self.uri)
         self._module = module      # keeps the module alive as long as the function
-        self._smem_limit = 48 * 1024
+        self._smem_limit = None    # dynamic shared memory a launch may take without raising the attribute
 
     def attribute(self, attr) -> int:
         return check(cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({attr}) on {self.uri}")
@@ -412,8 +412,12 @@ class Function:
     def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
         grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
         memory, params = self.params.pack(args)
-        if smem > self._smem_limit:
-            self.set_max_dynamic_smem(smem)
+        if smem:
+            if self._smem_limit is None:   # without the opt-in, static + dynamic must fit 48 KB
+                self._smem_limit = 48 * 1024 - self.attribute(
+                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            if smem > self._smem_limit:
+                self.set_max_dynamic_smem(smem)
         config = _launch_config(grid, block, smem, int(_stream_handle(stream)), pdl)
         # no `extra`; `memory` stays alive until the call returns, as a local
         result = cu.cuLaunchKernelEx(config, self.handle, params, 0)

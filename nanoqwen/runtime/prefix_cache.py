@@ -70,13 +70,9 @@ class PrefixCache:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def match(self, prompt: list[int]) -> tuple[int | None, int]:
-        """(key of the kept sequence to continue, reused positions L): the longest common prefix, capped
-        at P - 1; the most recent sequence wins a tie; (None, 0) when nothing is shared."""
-        key, n, _ = self._longest(prompt)
-        return (key, min(n, len(prompt) - 1)) if n and len(prompt) > 1 else (None, 0)
-
     def _longest(self, prompt: list[int]) -> tuple[int | None, int, Kept | None]:
+        """(key, shared positions, kept sequence) of the kept sequence sharing the longest prefix with
+        ``prompt``; the most recently used wins a tie; (None, 0, None) when nothing is shared."""
         n, keys = self._trie.longest(prompt)
         if not keys:
             return None, 0, None
@@ -111,13 +107,11 @@ class PrefixCache:
         if share:
             L -= L % self.page_size
         pages, payload = [], None
-        if not L:
-            pass
-        elif share:
+        if L and share:
             pages, payload = k.pages[:L // self.page_size], k.payload
             self._move(pages, lease=+1)
             self._touch(key)
-        else:                                      # it agrees with k's whole prompt: take k over
+        elif L:                                    # it agrees with k's whole prompt: take k over
             self._forget(key)
             pages, payload = k.pages[:need], k.payload
             self._move(pages, lease=+1, kept=-1)

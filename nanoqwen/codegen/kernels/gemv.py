@@ -29,6 +29,9 @@ MAX_M = config.MAX_ROWS                         # activation rows of the multi-r
 SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 STATIC_SMEM_MAX = 48 * 1024   # a kernel's static __shared__ arrays, at most
 VALUE_SHUFFLE = (0, 16, 4, 20, 8, 24, 12, 28)   # the only lane map the fast path implements
+# Registers a thread may give to x (or h) rows staged together (stage_rows): they are live beside the first
+# weight batch, loaded before the wait, and at 64 the 8-row o_proj went from 94 to 140 registers.
+STAGE_REGISTERS = 32
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,9 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     family = "gemv_int4"
     template = "gemv_int4.cu.j2"
     timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
-    uri_fields = ("epilogue", "n", "k", "norm", "mma", "rows", "lanes", "warps", "tiles_per_warp", "splitk", "m")
-    late_fields = KernelSpec.late_fields + ("mma",)   # CUDA-core kernels keep their names
+    uri_fields = ("epilogue", "n", "k", "norm", "mma", "kwarps", "rows", "lanes", "warps", "tiles_per_warp",
+                  "splitk", "m")
+    late_fields = KernelSpec.late_fields + ("mma", "kwarps")   # earlier kernels keep their names
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
@@ -56,6 +60,7 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     prefetch: bool = False         # load the next batch before this one's math (two batches in registers)
     splitk: int = 1                # K splits across blockIdx.y (one cluster; split 0 sums them, then the epilogue)
     m: int = 1                     # activation rows sharing each weight read (1..16; the multi-row step)
+    kwarps: int = 1                # mma: warps sharing a tile along K (every kwarps-th group each; sums in warp order)
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -72,8 +77,18 @@ class GemvInt4Spec(VariantParams, KernelSpec):
         return -(-self.chunks // self.lanes)
 
     @property
+    def witers(self) -> int:
+        """Chunk iterations per warp: a tile's, shared by kwarps warps."""
+        return -(-self.iters // self.kwarps)
+
+    @property
     def unroll_eff(self) -> int:
-        return self.unroll or self.iters
+        return self.unroll or self.witers
+
+    @property
+    def tgroups(self) -> int:
+        """Tiles a CTA works on at once (kwarps warps each)."""
+        return self.warps // self.kwarps
 
     @property
     def tile_rows(self) -> int:
@@ -85,14 +100,14 @@ class GemvInt4Spec(VariantParams, KernelSpec):
 
     @property
     def grid_x(self) -> int:
-        """CTAs along x: each of the WARPS warps of a CTA walks tiles_per_warp tiles."""
-        return -(-self.tiles // (self.warps * self.tiles_per_warp))
+        """CTAs along x: each of a CTA's tile groups (kwarps warps) walks tiles_per_warp tiles."""
+        return -(-self.tiles // (self.tgroups * self.tiles_per_warp))
 
     @property
     def xs_bytes(self) -> int:
-        """Shared memory of the staged x rows: m rows of iters * lanes 64-byte chunks (mma: + 64 bytes of
-        padding a row, the template's XSTRIDE)."""
-        return self.m * (self.iters * self.lanes + self.mma) * 64
+        """Shared memory of the staged x rows: m rows of witers * kwarps * lanes 64-byte chunks (mma: + 64
+        bytes of padding a row, the template's XSTRIDE)."""
+        return self.m * (self.witers * self.kwarps * self.lanes + self.mma) * 64
 
     @property
     def xs_dynamic(self) -> bool:
@@ -100,14 +115,27 @@ class GemvInt4Spec(VariantParams, KernelSpec):
         return self.m > 1
 
     @property
+    def stage_rows(self) -> int:
+        """Rows of x (or of h, for the RMSNorm prologue) staged together: their loads fly together, one
+        round trip (and one barrier round) a batch, so m rows cost those of ceil(m / stage_rows), not m.
+        As many as hold STAGE_REGISTERS a thread: a thread's vectors of h are 8 floats each over the whole
+        of k; x goes one 4-word vector of every row at a time. 1 at m = 1: today's kernel."""
+        per_row = 8 * -(-self.k // (8 * 32 * self.warps)) if self.norm else 4
+        return min(self.m, max(1, STAGE_REGISTERS // per_row))
+
+    @property
     def static_smem_bytes(self) -> int:
         """The template's static __shared__ arrays, an upper bound (ptxas drops what a variant leaves
-        unused): the staged x at m = 1, the norm sums (red, sqv), the max |x| bits (xmax) and the split-K
-        totals (part: MATS x m x the CTA's rows, fp32, 35 KB for the 16-row tensor-core gate_up)."""
+        unused): the staged x at m = 1, the norm sums (red; sqv, stage_rows rows of them), the max |x| bits
+        (xmax), the split-K totals (part: MATS x m x the CTA's rows, fp32, 35 KB for the 16-row tensor-core
+        gate_up) and the kwarps warps' sums of a tile (ksum)."""
         norm_warps = NORM_THREADS // 32
-        cta_rows = self.warps * self.tiles_per_warp * self.tile_rows
-        floats = (self.m * norm_warps + (self.k // 8 if self.norm and 32 * self.warps != NORM_THREADS else 1)
-                  + self.m * self.warps + (self.mats * self.m * cta_rows if self.splitk > 1 else 1))
+        cta_rows = self.tgroups * self.tiles_per_warp * self.tile_rows
+        kvals = self.mats * self.rows * 2 * (2 if self.m > 8 else 1)
+        sqv = self.stage_rows * self.k // 8 if self.norm and 32 * self.warps != NORM_THREADS else 1
+        floats = (self.m * norm_warps + sqv
+                  + self.m * self.warps + (self.mats * self.m * cta_rows if self.splitk > 1 else 1)
+                  + (self.warps * kvals * 32 if self.kwarps > 1 else 1))
         return (16 if self.xs_dynamic else self.xs_bytes) + 4 * floats
 
     def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
@@ -161,6 +189,9 @@ class GemvInt4Spec(VariantParams, KernelSpec):
                             f"and rows*32/lanes dividing n={self.n}")
         if not 1 <= self.warps <= 32:
             raise SpecError(f"{f}.warps must be 1..32, got {self.warps}")
+        if self.kwarps not in (1, 2, 4, 8) or self.warps % self.kwarps or self.kwarps > 1 and not self.mma:
+            raise SpecError(f"{f}.kwarps={self.kwarps} must be 1, 2, 4 or 8, divide warps={self.warps}, and "
+                            f"be 1 without mma")
         if self.tiles_per_warp < 1:
             raise SpecError(f"{f}.tiles_per_warp must be >= 1, got {self.tiles_per_warp}")
         if not 1 <= self.splitk <= 8 or self.k % (32 * self.splitk):
@@ -172,8 +203,8 @@ class GemvInt4Spec(VariantParams, KernelSpec):
             raise SpecError(f"{f}: swiglu output feeds the down GEMV and must be fp16 (out_f16=True)")
         if self.epilogue == "residual" and self.out_f16:
             raise SpecError(f"{f}: the residual stream is fp32 (out_f16 must be False)")
-        if not 0 <= self.unroll <= self.iters:
-            raise SpecError(f"{f}.unroll={self.unroll} must be 0..{self.iters} (the chunk iterations per lane)")
+        if not 0 <= self.unroll <= self.witers:
+            raise SpecError(f"{f}.unroll={self.unroll} must be 0..{self.witers} (the chunk iterations per lane)")
         if not 1 <= self.m <= MAX_M:
             raise SpecError(f"{f}.m must be 1..{MAX_M} activation rows, got {self.m}")
         if self.xs_bytes > DEFAULT.max_smem:
@@ -197,8 +228,7 @@ class GemvInt4Spec(VariantParams, KernelSpec):
 
     def context(self) -> dict:
         return super().context() | dict(
-            unroll_eff=self.unroll_eff, grid_x=self.grid_x,
-            xs_dynamic=self.xs_dynamic,
+            unroll_eff=self.unroll_eff, grid_x=self.grid_x, xs_dynamic=self.xs_dynamic, stage_rows=self.stage_rows,
             # when the staged x already allows one CTA per SM, say so: ptxas may then use every register
             # (without the hint it stopped at 128 and spilled on m = 16 at lanes 32, rows 1)
             launch_bounds="__launch_bounds__(THREADS, 1)" if self.m > 1 and self.resident_ctas() == 1
@@ -259,7 +289,7 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
     params["rows"] = _fit(tile.rows, n // (8 if tile.mma else 32 // tile.lanes))
     params.update(override)
     spec = GemvInt4Spec(**params)
-    if spec.unroll > spec.iters:
+    if spec.unroll > spec.witers:
         spec = dataclasses.replace(spec, unroll=0)
     spec.validate()
     return multirow_spec(spec, m, cfg)
@@ -330,15 +360,18 @@ def prefill_row_spec(role: str, dims: ModelDims, cfg: config.Config, m: int, spl
 
 
 def mma_variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
-    """The decoder-layer roles on the tensor cores: MMA_TILE, and two MMA tiles per warp over K splits
-    (at least 2, where whole groups allow: every epilogue split; the 16 staged rows of down's 18944 inputs
-    fit only at its own 4)."""
+    """The decoder-layer roles on the tensor cores: MMA_TILE, two MMA tiles per warp over K splits (at
+    least 2, where whole groups allow: every epilogue split; the 16 staged rows of down's 18944 inputs fit
+    only at its own 4), and four warps sharing each tile along K (down: 37 groups a split, so three of them
+    run out of groups one iteration early)."""
     specs = []
     for role in ROLES:
         k, own = role_shape(role, dims)[1], getattr(cfg.gemv_int4, role).splitk
         splitk = max(2, own) if k % (cfg.quant.group_size * max(2, own)) == 0 else 1
         two = {**MMA_TILE, "rows": 4, "unroll": 2, "prefetch": False, "splitk": splitk}
-        specs += [role_spec(role, dims, cfg, **MMA_TILE), role_spec(role, dims, cfg, **two)]
+        shared = {**MMA_TILE, "kwarps": 4, "unroll": 2}
+        specs += [role_spec(role, dims, cfg, **MMA_TILE), role_spec(role, dims, cfg, **two),
+                  role_spec(role, dims, cfg, **shared)]
     return specs
 
 
