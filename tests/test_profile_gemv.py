@@ -1,0 +1,35 @@
+"""tools/profile_gemv.py: a tile argument becomes the role's spec with those fields, and a bad one a one-line
+error before any device work."""
+
+from __future__ import annotations
+
+import pytest
+
+from _tools import tool
+from nanoqwen import NanoqwenError, config
+from nanoqwen.codegen.kernels import gemv
+from nanoqwen.dims import QWEN25_7B
+
+profile = tool("profile_gemv")
+CFG = config.default()
+
+
+def test_tile_argument_overrides_the_config_tile():
+    spec = profile.tile_spec("gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8", CFG)
+    assert spec == gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=8, unroll=0, kwarps=8)
+    assert profile.tile_spec("down", CFG) == gemv.role_spec("down", QWEN25_7B, CFG)
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("up:rows=2", "unknown role"),
+    ("qkv:rows", "FIELD=VALUE"),
+    ("qkv:epilogue=plain", "FIELD=VALUE"),
+    ("qkv:rows=two", "not an integer"),
+    ("qkv:mma=1,lanes=16", "mma takes lanes=4"),
+])
+def test_bad_tile_arguments_are_one_line_errors(arg, words, capsys):
+    with pytest.raises(NanoqwenError, match=words):
+        profile.tile_spec(arg, CFG)
+    assert profile.main([arg]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
