@@ -22,9 +22,10 @@ def test_tile_argument_overrides_the_config_tile():
 
 @pytest.mark.parametrize("arg, words", [
     ("up:rows=2", "unknown role"),
-    ("qkv:rows", "FIELD=VALUE"),
-    ("qkv:epilogue=plain", "FIELD=VALUE"),
-    ("qkv:rows=two", "not an integer"),
+    ("qkv:rows", "name=value"),
+    ("qkv:epilogue=plain", "not a tile field"),
+    ("qkv:n=1024", "not a tile field"),
+    ("qkv:rows=two", "cannot parse 'two' as int"),
     ("qkv:mma=1,lanes=16", "mma takes lanes=4"),
 ])
 def test_bad_tile_arguments_are_one_line_errors(arg, words, capsys):

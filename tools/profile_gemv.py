@@ -4,41 +4,35 @@
         --section Occupancy -k regex:gemv_int4 python3 tools/profile_gemv.py \\
         gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8 gate_up
 
-Each argument is ROLE[:FIELD=VALUE,...]: the role's config tile with those fields of GemvInt4Spec replaced
-(codegen/kernels/gemv.py; booleans as 0 or 1). Each kernel is checked against numpy first (a profile of a
+Each argument is ROLE[:FIELD=VALUE,...]: the role's config tile with those of its fields replaced (the
+fields nanoqwen-tune sweeps, tune/spaces.yaml; values as `nanoqwen-gen --param` takes them). Each kernel is checked against numpy first (a profile of a
 wrong kernel is of no use), then launched --runs times on the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import numpy as np
 
 from nanoqwen import NanoqwenError, codegen, config
 from nanoqwen.codegen.kernels import gemv
-from nanoqwen.codegen.spec import SpecError
+from nanoqwen.codegen.spec import SpecError, parse_params
 from nanoqwen.dims import QWEN25_7B
+from nanoqwen.tuning import space
 
 
 def tile_spec(arg: str, cfg: config.Config) -> gemv.GemvInt4Spec:
-    """ROLE[:FIELD=VALUE,...] -> the 7B's spec of that role with those fields (NanoqwenError when bad)."""
+    """ROLE[:FIELD=VALUE,...] -> the 7B's spec of that role with those tile fields (NanoqwenError when bad)."""
     role, _, fields = arg.partition(":")
     if role not in gemv.ROLES:
         raise NanoqwenError(f"{arg!r}: unknown role {role!r} (known: {', '.join(gemv.ROLES)})")
-    types = {f.name: f.type for f in dataclasses.fields(gemv.GemvInt4Spec)}
-    override = {}
-    for item in filter(None, fields.split(",")):
-        name, eq, value = item.partition("=")
-        if not eq or types.get(name) not in ("int", "bool"):
-            raise NanoqwenError(f"{arg!r}: {item!r} is not FIELD=VALUE of an integer or boolean tile field")
-        try:
-            override[name] = bool(int(value)) if types[name] == "bool" else int(value)
-        except ValueError:
-            raise NanoqwenError(f"{arg!r}: {name}={value!r} is not an integer") from None
+    tile_fields = {name for s in space.tile_spaces() for name in s}   # what nanoqwen-tune sweeps
     try:
+        override = gemv.GemvInt4Spec.typed_params(parse_params(filter(None, fields.split(","))))
+        if other := sorted(set(override) - tile_fields):
+            raise SpecError(f"{', '.join(other)}: not a tile field (the tile: {', '.join(sorted(tile_fields))})")
         return gemv.role_spec(role, QWEN25_7B, cfg, **override)
     except SpecError as e:
         raise NanoqwenError(f"{arg!r}: {e}") from None
