@@ -20,6 +20,13 @@ def test_tile_argument_overrides_the_config_tile():
     assert profile.tile_spec("down", CFG) == gemv.role_spec("down", QWEN25_7B, CFG)
 
 
+def test_row_count_takes_the_multirow_tile():
+    one = gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=8, unroll=0, kwarps=8)
+    assert profile.tile_spec("gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8@8:rows=4,unroll=1,warps=16",
+                             CFG) == gemv.multirow_spec(one, 8, CFG, tile=dict(rows=4, unroll=1, warps=16))
+    assert profile.tile_spec("down@4", CFG) == gemv.role_spec("down", QWEN25_7B, CFG, m=4)
+
+
 @pytest.mark.parametrize("arg, words", [
     ("up:rows=2", "unknown role"),
     ("qkv:rows", "name=value"),
@@ -27,6 +34,8 @@ def test_tile_argument_overrides_the_config_tile():
     ("qkv:n=1024", "not a tile field"),
     ("qkv:rows=two", "cannot parse 'two' as int"),
     ("qkv:mma=1,lanes=16", "mma takes lanes=4"),
+    ("qkv@x", "the row count is a number"),
+    ("qkv@8:splitk=2", "not a tile field"),
 ])
 def test_bad_tile_arguments_are_one_line_errors(arg, words, capsys):
     with pytest.raises(NanoqwenError, match=words):

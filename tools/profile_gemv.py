@@ -4,9 +4,13 @@
         --section Occupancy -k regex:gemv_int4 python3 tools/profile_gemv.py \\
         gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8 gate_up
 
-Each argument is ROLE[:FIELD=VALUE,...]: the role's config tile with those of its fields replaced (the
-fields nanoqwen-tune sweeps, tune/spaces.yaml; values as `nanoqwen-gen --param` takes them). Each kernel is checked against numpy first (a profile of a
-wrong kernel is of no use), then launched --runs times on the same weights.
+Each argument is ROLE[:FIELD=VALUE,...][@M[:FIELD=VALUE,...]]: the role's config tile with those of its
+fields replaced (the fields nanoqwen-tune sweeps, tune/spaces.yaml; values as `nanoqwen-gen --param` takes
+them), and with @M its m-row kernel (`down:splitk=4@8:warps=16`: the fields after M are the m-row tile's,
+codegen/kernels/gemv.py MULTIROW_TILE, as a tuned entry holds them). Each kernel is checked against numpy
+first (a profile of a wrong kernel is of no use), then launched --runs times on the same weights; with --time,
+instead timed back-to-back in a captured graph with PDL as `nanoqwen bench --kernels` times them (weights
+rotating past L2), against the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,25 +27,39 @@ from nanoqwen.dims import QWEN25_7B
 from nanoqwen.tuning import space
 
 
+def _fields(text: str, allowed: set[str]) -> dict:
+    """FIELD=VALUE,... -> typed tile fields, each one of `allowed` (SpecError otherwise)."""
+    fields = gemv.GemvInt4Spec.typed_params(parse_params(filter(None, text.split(","))))
+    if other := sorted(set(fields) - allowed):
+        raise SpecError(f"{', '.join(other)}: not a tile field (the tile: {', '.join(sorted(allowed))})")
+    return fields
+
+
 def tile_spec(arg: str, cfg: config.Config) -> gemv.GemvInt4Spec:
-    """ROLE[:FIELD=VALUE,...] -> the 7B's spec of that role with those tile fields (NanoqwenError when bad)."""
-    role, _, fields = arg.partition(":")
+    """ROLE[:FIELD=VALUE,...][@M[:FIELD=VALUE,...]] -> the 7B's spec of that role with those tile fields, over
+    M rows (NanoqwenError when bad)."""
+    single, _, multi = arg.partition("@")
+    role, _, fields = single.partition(":")
     if role not in gemv.ROLES:
         raise NanoqwenError(f"{arg!r}: unknown role {role!r} (known: {', '.join(gemv.ROLES)})")
     tile_fields = {name for s in space.tile_spaces() for name in s}   # what nanoqwen-tune sweeps
     try:
-        override = gemv.GemvInt4Spec.typed_params(parse_params(filter(None, fields.split(","))))
-        if other := sorted(set(override) - tile_fields):
-            raise SpecError(f"{', '.join(other)}: not a tile field (the tile: {', '.join(sorted(tile_fields))})")
-        return gemv.role_spec(role, QWEN25_7B, cfg, **override)
+        spec = gemv.role_spec(role, QWEN25_7B, cfg, **_fields(fields, tile_fields))
+        if not multi:
+            return spec
+        m, _, mfields = multi.partition(":")
+        if not m.isdigit():
+            raise SpecError(f"@{m}: the row count is a number (e.g. @8)")
+        return gemv.multirow_spec(spec, int(m), cfg, tile=_fields(mfields, set(gemv.MULTIROW_TILE)) or None)
     except SpecError as e:
         raise NanoqwenError(f"{arg!r}: {e}") from None
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("tiles", nargs="+", metavar="ROLE[:FIELD=VALUE,...]")
+    p.add_argument("tiles", nargs="+", metavar="ROLE[:FIELD=VALUE,...][@M[:FIELD=VALUE,...]]")
     p.add_argument("--runs", type=int, default=2, help="launches per kernel after the check (default 2)")
+    p.add_argument("--time", action="store_true", help="time each tile instead (graph replay, % of copy bandwidth)")
     args = p.parse_args(argv)
     cfg = config.default()
     try:
@@ -50,28 +68,42 @@ def main(argv=None) -> int:
         print(f"profile_gemv: {e}", file=sys.stderr)
         return 2
     try:
-        return _launch(specs, args.runs, cfg.validation.gemv_rel_tol)
+        return _launch(list(zip(args.tiles, specs)), args.runs, cfg, args.time)
     except NanoqwenError as e:   # no device, a compile or launch error
         print(f"profile_gemv: {e}", file=sys.stderr)
         return 1
 
 
-def _launch(specs: list[gemv.GemvInt4Spec], runs: int, tol: float) -> int:
+def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.Config, time: bool) -> int:
+    from nanoqwen.bench import kernels
     from nanoqwen.bench.gemv_case import GemvCase
     from nanoqwen.runtime import driver
     stream = driver.Stream()
-    for spec, built in zip(specs, codegen.build_many(specs)):
-        case = GemvCase(spec, np.random.default_rng(0))
-        fn = driver.load(built)
-        err = case.check(fn, spec, stream)
-        print(f"{spec.uri}: {built.resources.registers} registers, grid {spec.launch().grid}, rel err {err:.1e}",
-              flush=True)
-        if not err <= tol:
-            print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)
-            return 1
-        for _ in range(runs):
-            case.run(fn, spec, stream)
-        case.free()
+    copy_GBps = kernels.copy_bandwidth(stream)["GBps"] if time else 0.0
+    blocker = driver.DeviceBuffer(kernels.BLOCKER_BYTES) if time else None
+    for (arg, spec), built in zip(specs, codegen.build_many([spec for _, spec in specs])):
+        copies = kernels.rotating_copies(spec, cfg.bench.l2_rotate_bytes) if time else 1
+        case = GemvCase(spec, np.random.default_rng(0), copies)
+        try:
+            fn = driver.load(built)
+            err = case.check(fn, spec, stream)
+            print(f"{spec.uri}: {built.resources.registers} registers, grid {spec.launch().grid}, rel err {err:.1e}",
+                  flush=True)
+            if not err <= cfg.validation.gemv_rel_tol:
+                print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)
+                return 1
+            if time:
+                graph = kernels.row(arg, spec, kernels.time_spec(case, fn, spec, stream, blocker), copy_GBps,
+                                    copies)["graph"]
+                print(f"  graph {graph['us']:.2f} us [{graph['us_min']:.2f}..{graph['us_max']:.2f}], "
+                      f"{graph['pct_copy']:.1f}% of copy ({copy_GBps:.0f} GB/s)", flush=True)
+            else:
+                for _ in range(runs):
+                    case.run(fn, spec, stream)
+        finally:
+            case.free()
+    if blocker:
+        blocker.free()
     return 0
 
 
