@@ -43,3 +43,9 @@ def test_bad_tile_arguments_are_one_line_errors(arg, words, capsys):
     assert profile.main([arg]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_help_renders(capsys):
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--help"])
+    assert e.value.code == 0 and "--time" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("tiles", nargs="+", metavar="ROLE[:FIELD=VALUE,...][@M[:FIELD=VALUE,...]]")
     p.add_argument("--runs", type=int, default=2, help="launches per kernel after the check (default 2)")
-    p.add_argument("--time", action="store_true", help="time each tile instead (graph replay, % of copy bandwidth)")
+    p.add_argument("--time", action="store_true", help="time each tile instead (graph replay, %% of copy bandwidth)")
     args = p.parse_args(argv)
     cfg = config.default()
     try:
