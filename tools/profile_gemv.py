@@ -81,29 +81,31 @@ def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.C
     stream = driver.Stream()
     copy_GBps = kernels.copy_bandwidth(stream)["GBps"] if time else 0.0
     blocker = driver.DeviceBuffer(kernels.BLOCKER_BYTES) if time else None
-    for (arg, spec), built in zip(specs, codegen.build_many([spec for _, spec in specs])):
-        copies = kernels.rotating_copies(spec, cfg.bench.l2_rotate_bytes) if time else 1
-        case = GemvCase(spec, np.random.default_rng(0), copies)
-        try:
-            fn = driver.load(built)
-            err = case.check(fn, spec, stream)
-            print(f"{spec.uri}: {built.resources.registers} registers, grid {spec.launch().grid}, rel err {err:.1e}",
-                  flush=True)
-            if not err <= cfg.validation.gemv_rel_tol:
-                print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)
-                return 1
-            if time:
-                graph = kernels.row(arg, spec, kernels.time_spec(case, fn, spec, stream, blocker), copy_GBps,
-                                    copies)["graph"]
-                print(f"  graph {graph['us']:.2f} us [{graph['us_min']:.2f}..{graph['us_max']:.2f}], "
-                      f"{graph['pct_copy']:.1f}% of copy ({copy_GBps:.0f} GB/s)", flush=True)
-            else:
-                for _ in range(runs):
-                    case.run(fn, spec, stream)
-        finally:
-            case.free()
-    if blocker:
-        blocker.free()
+    try:
+        for (arg, spec), built in zip(specs, codegen.build_many([spec for _, spec in specs])):
+            copies = kernels.rotating_copies(spec, cfg.bench.l2_rotate_bytes) if time else 1
+            case = GemvCase(spec, np.random.default_rng(0), copies)
+            try:
+                fn = driver.load(built)
+                err = case.check(fn, spec, stream)
+                print(f"{spec.uri}: {built.resources.registers} registers, grid {spec.launch().grid}, "
+                      f"rel err {err:.1e}", flush=True)
+                if not err <= cfg.validation.gemv_rel_tol:
+                    print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)
+                    return 1
+                if time:
+                    graph = kernels.row(arg, spec, kernels.time_spec(case, fn, spec, stream, blocker), copy_GBps,
+                                        copies)["graph"]
+                    print(f"  graph {graph['us']:.2f} us [{graph['us_min']:.2f}..{graph['us_max']:.2f}], "
+                          f"{graph['pct_copy']:.1f}% of copy ({copy_GBps:.0f} GB/s)", flush=True)
+                else:
+                    for _ in range(runs):
+                        case.run(fn, spec, stream)
+            finally:
+                case.free()
+    finally:
+        if blocker is not None:
+            blocker.free()
     return 0
 
 
