@@ -69,13 +69,23 @@ NQ_DEVICE void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dep
 NQ_DEVICE u64 l2_evict_first_policy() {
     u64 p; asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p)); return p;
 }
-// Streaming 16-byte weight load: read-only path, no L1 allocation, L2 evict-first hint.
+// Streaming 16-byte weight load: read-only path, no L1 allocation, L2 evict-first hint. L2_FETCH (64, 128
+// or 256): on a miss the L2 fetches that aligned block from DRAM (.L2::<n>B), not only the sectors this warp
+// asked for, so a block read in pieces by several instructions or warps is one DRAM access (0: no hint).
+#define NQ_LD_STREAM_U4(FETCH)                                                                              \
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint" FETCH ".v4.u32 {%0,%1,%2,%3}, [%4], %5;"     \
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy))
+template <int L2_FETCH = 0>
 NQ_DEVICE uint4 ld_stream_u4(const void* p, u64 policy) {
+    static_assert(L2_FETCH == 0 || L2_FETCH == 64 || L2_FETCH == 128 || L2_FETCH == 256, "L2 fetch: 0, 64, 128, 256");
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    if constexpr (L2_FETCH == 64) NQ_LD_STREAM_U4(".L2::64B");
+    else if constexpr (L2_FETCH == 128) NQ_LD_STREAM_U4(".L2::128B");
+    else if constexpr (L2_FETCH == 256) NQ_LD_STREAM_U4(".L2::256B");
+    else NQ_LD_STREAM_U4("");
     return v;
 }
+#undef NQ_LD_STREAM_U4
 // The same load for weights issued BEFORE pdl_wait(): without .nc. ptxas treats .nc loads as free to
 // move across griddepcontrol.wait and schedules the wait (SASS ACQBULK) first, so ld_stream_u4 loads
 // written before pdl_wait() end up after it; a weak load stays in place (checked in the SASS, NVRTC 12.9).

@@ -170,6 +170,9 @@ def _spec(**kw) -> gemv.GemvInt4Spec:
     (dict(k=4096, rows=16, epilogue="swiglu", out_f16=True), "registers|power of two"),
     (dict(warps=0), "warps"),
     (dict(eps=0.0), "eps"),
+    (dict(l2_fetch=32), "l2_fetch"),
+    (dict(ctas_per_sm=2), "an m-row kernel's"),
+    (dict(m=16, k=4096, ctas_per_sm=3), "an m-row kernel's"),   # 16 staged rows of 8 KB: one CTA an SM
 ])
 def test_invalid_specs_rejected(kw, match):
     with pytest.raises(SpecError, match=match):
@@ -275,6 +278,43 @@ def test_warps_sharing_a_tile_split_its_groups(role):
     assert all(s.kwarps == 4 for s in (gemv.multirow_spec(four, m, CFG) for m in BUCKETS))
     with pytest.raises(SpecError, match="would change a row's order"):
         gemv.multirow_spec(four, 8, CFG, tile={"kwarps": 1})
+
+
+def test_ctas_per_sm_fits_the_grid_and_caps_the_registers():
+    """An m-row kernel's ctas_per_sm: the grid is fitted to that many CTAs an SM (counted in tile groups: a
+    CTA of kwarps-sharing warps works on warps / kwarps tiles) and the launch bounds promise them, so the
+    registers cannot allow fewer; without it the kernel keeps its name and the shared-memory bound."""
+    one = gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=8, unroll=0, kwarps=8)
+    tile = dict(rows=4, unroll=1, warps=16)
+    free = gemv.multirow_spec(one, 8, CFG, tile=tile)
+    assert (free.ctas_per_sm, free.resident_ctas(), free.grid_x) == (0, free.smem_ctas(), 296)
+    assert "ctas_per_sm" not in free.uri and "__launch_bounds__(THREADS)" in codegen.render(free)
+    for ctas, grid in ((1, 99), (2, 148), (3, 296)):
+        spec = gemv.multirow_spec(one, 8, CFG, tile={**tile, "ctas_per_sm": ctas})
+        assert spec.grid_x == grid <= ctas * DEFAULT_GPU.sm_count and f"_ctas_per_sm{ctas}_" in spec.uri
+        assert f"__launch_bounds__(THREADS, {ctas})" in codegen.render(spec)
+        assert spec.rows == 4 and all(getattr(spec, f) == getattr(one, f) for f in ORDER_FIELDS)
+    with pytest.raises(SpecError, match="an m-row kernel's"):   # 512 threads: at most 4 an SM
+        gemv.multirow_spec(one, 2, CFG, tile={**tile, "ctas_per_sm": 5})
+
+
+def test_l2_fetch_widens_the_weight_loads_only():
+    """l2_fetch adds the L2 prefetch size to the weight loads (`.L2::128B`), nothing else: the arithmetic and
+    the m-row kernels' order fields stay, and without it a spec keeps its name."""
+    one = gemv.role_spec("down", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=4, unroll=4, splitk=4, kwarps=2)
+    wide = dataclasses.replace(one, l2_fetch=128)
+    assert "l2_fetch" not in one.uri and "_l2_fetch128_" in wide.uri
+    assert "ld_stream_u4<L2_FETCH>" in codegen.render(wide) and "constexpr int L2_FETCH = 128;" in codegen.render(wide)
+    assert gemv.multirow_spec(wide, 8, CFG).l2_fetch == 128
+    if resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install '.[tools]'): cannot read SASS")
+    plain, hinted = (collections.Counter(_opcode(t) for _, t in _instructions(resources.sass(codegen.build(s).cubin)))
+                     for s in (one, wide))
+    # every weight load takes the hint, and nothing else changes kind
+    assert hinted["LDG.E.NA.LTC128B.128.CONSTANT"] == plain["LDG.E.NA.128.CONSTANT"] > 0
+    assert hinted["LDG.E.NA.128.CONSTANT"] == 0
+    assert {op: c for op, c in hinted.items() if op.startswith("LDG") and "LTC" not in op} == \
+        {op: c for op, c in plain.items() if op.startswith("LDG") and op != "LDG.E.NA.128.CONSTANT"}
 
 
 @pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])

@@ -250,7 +250,7 @@ def bench_row_gemvs(cfg, stream, rng) -> list[dict]:
             rows.append(r)
             print(f"row GEMV {role:8s} m={m:2d} {str(kw or ('decode kernel' if m == 1 else 'default')):30s} "
                   f"{r['graph']['us']:8.2f} us {r['graph']['pct_copy']:5.1f}% of copy, grid {r['grid']}, "
-                  f"{spec.resident_ctas()} CTAs/SM by shared memory", flush=True)
+                  f"{spec.smem_ctas()} CTAs/SM by shared memory", flush=True)
     finally:
         blocker.free()
     for m in sorted({r["m"] for r in rows}):

@@ -40,8 +40,8 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     template = "gemv_int4.cu.j2"
     timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
     uri_fields = ("epilogue", "n", "k", "norm", "mma", "kwarps", "rows", "lanes", "warps", "tiles_per_warp",
-                  "splitk", "m")
-    late_fields = KernelSpec.late_fields + ("mma", "kwarps")   # earlier kernels keep their names
+                  "splitk", "m", "l2_fetch", "ctas_per_sm")
+    late_fields = KernelSpec.late_fields + ("mma", "kwarps", "l2_fetch", "ctas_per_sm")   # earlier kernels keep their names
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
@@ -61,6 +61,9 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     splitk: int = 1                # K splits across blockIdx.y (one cluster; split 0 sums them, then the epilogue)
     m: int = 1                     # activation rows sharing each weight read (1..16; the multi-row step)
     kwarps: int = 1                # mma: warps sharing a tile along K (every kwarps-th group each; sums in warp order)
+    l2_fetch: int = 0              # bytes the L2 fetches around a weight miss: 0 (the sectors asked for), 64, 128, 256
+    ctas_per_sm: int = 0           # m > 1: CTAs an SM must hold at once (__launch_bounds__ caps the registers; the
+                                   # grid is fitted to them); 0: as many as the staged x allows
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -138,9 +141,15 @@ class GemvInt4Spec(VariantParams, KernelSpec):
                   + (self.warps * kvals * 32 if self.kwarps > 1 else 1))
         return (16 if self.xs_dynamic else self.xs_bytes) + 4 * floats
 
-    def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
+    def smem_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
         """CTAs per SM the staged x allows (m = 1: not the limit, reported as the shared-memory bound too)."""
         return max(1, gpu.max_smem // (self.xs_bytes + SMEM_MARGIN))
+
+    def resident_ctas(self, gpu: GpuProfile = DEFAULT) -> int:
+        """CTAs per SM the grid is fitted to: ctas_per_sm, else the staged x's bound. Registers can allow fewer
+        than shared memory does (512 threads of 124 registers: one), which ctas_per_sm makes a promise of the
+        kernel (its launch bounds) instead of a guess."""
+        return self.ctas_per_sm or self.smem_ctas(gpu)
 
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
@@ -192,6 +201,12 @@ class GemvInt4Spec(VariantParams, KernelSpec):
         if self.kwarps not in (1, 2, 4, 8) or self.warps % self.kwarps or self.kwarps > 1 and not self.mma:
             raise SpecError(f"{f}.kwarps={self.kwarps} must be 1, 2, 4 or 8, divide warps={self.warps}, and "
                             f"be 1 without mma")
+        most = min(self.smem_ctas(), 2048 // (32 * self.warps))   # CTAs an SM's shared memory and threads hold
+        if self.ctas_per_sm and (self.m == 1 or self.ctas_per_sm > most):
+            raise SpecError(f"{f}.ctas_per_sm={self.ctas_per_sm}: an m-row kernel's, at most the {most} CTAs its "
+                            f"shared memory and threads allow an SM")
+        if self.l2_fetch not in (0, 64, 128, 256):
+            raise SpecError(f"{f}.l2_fetch must be 0, 64, 128 or 256 bytes, got {self.l2_fetch}")
         if self.tiles_per_warp < 1:
             raise SpecError(f"{f}.tiles_per_warp must be >= 1, got {self.tiles_per_warp}")
         if not 1 <= self.splitk <= 8 or self.k % (32 * self.splitk):
@@ -231,8 +246,8 @@ class GemvInt4Spec(VariantParams, KernelSpec):
             unroll_eff=self.unroll_eff, grid_x=self.grid_x, xs_dynamic=self.xs_dynamic, stage_rows=self.stage_rows,
             # when the staged x already allows one CTA per SM, say so: ptxas may then use every register
             # (without the hint it stopped at 128 and spilled on m = 16 at lanes 32, rows 1)
-            launch_bounds="__launch_bounds__(THREADS, 1)" if self.m > 1 and self.resident_ctas() == 1
-            else "__launch_bounds__(THREADS)",
+            launch_bounds=f"__launch_bounds__(THREADS, {self.resident_ctas()})"
+            if self.m > 1 and (self.ctas_per_sm or self.resident_ctas() == 1) else "__launch_bounds__(THREADS)",
             cluster_dims="__cluster_dims__(1, SPLITK, 1) " if self.splitk > 1 else "")
 
     def launch(self) -> Launch:
@@ -300,17 +315,19 @@ def role_spec(role: str, dims: ModelDims, cfg: config.Config | None = None, m: i
 # m-row kernel keeps those of its m = 1 kernel and may re-tile the rest (MULTIROW_TILE). m rows
 # of x take m times the shared memory (qkv: 7 KB per row), so m > 1 runs fewer, fuller CTAs: by default at
 # least multirow.gemv_warps warps each (split-K: the m = 1 warps), and tiles_per_warp raised until the grid
-# fits in one wave at the residency the staged x allows (every CTA stages x once; no CTA waits for a slot).
+# fits in one wave at the residency the staged x allows (every CTA stages x once; no CTA waits for a slot),
+# or at ctas_per_sm CTAs an SM, which the launch bounds make true: the registers can allow fewer CTAs than
+# shared memory (H100, the 2-row tensor-core gate_up: 1184 CTAs at 2 an SM, 43.6 us; fitted to 3, 31.2).
 # `nanoqwen-tune --rows M` sweeps MULTIROW_TILE per bucket (tune/tuned.json; codegen/tuned.py).
 
-MULTIROW_TILE = ("rows", "warps", "unroll", "prefetch")   # what an m-row kernel may choose for itself
+MULTIROW_TILE = ("rows", "warps", "unroll", "prefetch", "ctas_per_sm")   # what an m-row kernel may choose for itself
 
 
 def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
                   gpu: GpuProfile = DEFAULT, tile: dict | None = None) -> GemvInt4Spec:
     """The m-row kernel whose every row is bitwise `spec`'s output for that row (m = 1: `spec` itself).
     `tile`: MULTIROW_TILE fields in place of the defaults (a tuned entry); tiles_per_warp is always the
-    fewest that fit the grid in one wave."""
+    fewest that fit the grid in one wave (of resident_ctas CTAs an SM)."""
     if m == spec.m and not tile:
         return spec
     if spec.m != 1:
@@ -328,7 +345,7 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
         if not tile and spec.splitk == 1:
             out = dataclasses.replace(out, warps=max(spec.warps, (cfg or config.default()).multirow.gemv_warps))
         tpw = 1 if tile else spec.tiles_per_warp
-        while -(-out.tiles // (out.warps * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
+        while -(-out.tiles // (out.tgroups * tpw)) * out.splitk > out.resident_ctas(gpu) * gpu.sm_count:
             tpw += 1
         out = dataclasses.replace(out, tiles_per_warp=tpw)
     out.validate()
