@@ -172,7 +172,8 @@ fi
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
 if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then the A/B tree's, then this tree's again
     stage steps 150 $PY -m nanoqwen.bench.speculate --steps --json "$OUT/steps.json"
-    [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-ab 150 sh -c "cd '$GPU_CHECK_STEPS_AB' && PYTHONPATH=. $PY -m \
+    [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-ab 150 sh -c "cd '$GPU_CHECK_STEPS_AB' && \
+        NANOQWEN_COMMIT='$(basename "$GPU_CHECK_STEPS_AB")' PYTHONPATH=. $PY -m \
         nanoqwen.bench.speculate --steps --json '$OUT/steps-$(basename "$GPU_CHECK_STEPS_AB").json'" && \
         stage steps-again 150 $PY -m nanoqwen.bench.speculate --steps --json "$OUT/steps-again.json"
 fi
