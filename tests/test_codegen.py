@@ -455,3 +455,14 @@ def test_nvrtc_output_buffers_never_alias_cached_bytes():
     nv.nvrtcDestroyProgram(prog)
     assert log == b"\0", "expected the empty log (a lone NUL) this test is about"
     assert " ".encode() == bytes([32]) and b" " * 1 == bytes([32]), "NVRTC wrote into a cached bytes object"
+
+
+@pytest.mark.parametrize("threads, registers, smem_ctas, ctas", [
+    (128, 168, 12, 3),    # the H100's CUDA-core gate_up: registers hold 3 CTAs (168 -> 168 x 32 = 5376 a warp)
+    (256, 122, 8, 2),     # the tensor-core gate_up: 122 -> 128 a thread, 32 KB a CTA
+    (256, 80, 8, 3),      # its launch bounds at 3 CTAs an SM
+    (128, 40, 12, 12),    # shared memory binds first
+    (1024, 32, 32, 2),    # threads bind first
+])
+def test_resident_ctas_are_the_tightest_sm_limit(threads, registers, smem_ctas, ctas):
+    assert gpu.resident_ctas(threads, registers, smem_ctas) == ctas

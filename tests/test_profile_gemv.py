@@ -18,6 +18,7 @@ def test_tile_argument_overrides_the_config_tile():
     spec = profile.tile_spec("gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8", CFG)
     assert spec == gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=8, unroll=0, kwarps=8)
     assert profile.tile_spec("down", CFG) == gemv.role_spec("down", QWEN25_7B, CFG)
+    assert profile.tile_spec("down:l2_fetch=256", CFG) == gemv.role_spec("down", QWEN25_7B, CFG, l2_fetch=256)
 
 
 def test_row_count_takes_the_multirow_tile():
@@ -49,3 +50,4 @@ def test_help_renders(capsys):
     with pytest.raises(SystemExit) as e:
         profile.main(["--help"])
     assert e.value.code == 0 and "--time" in capsys.readouterr().out
+

@@ -1,16 +1,17 @@
-"""Launch decoder-layer GEMV tiles of the 7B a few times each for a profiler to read (it times nothing itself):
+"""Launch decoder-layer GEMV tiles of the 7B a few times each for a profiler to read, or time them (--time):
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
         --section Occupancy -k regex:gemv_int4 python3 tools/profile_gemv.py \\
         gate_up:mma=1,lanes=4,rows=2,warps=8,unroll=0,kwarps=8 gate_up
 
 Each argument is ROLE[:FIELD=VALUE,...][@M[:FIELD=VALUE,...]]: the role's config tile with those of its
-fields replaced (the fields nanoqwen-tune sweeps, tune/spaces.yaml; values as `nanoqwen-gen --param` takes
-them), and with @M its m-row kernel (`down:splitk=4@8:warps=16`: the fields after M are the m-row tile's,
-codegen/kernels/gemv.py MULTIROW_TILE, as a tuned entry holds them). Each kernel is checked against numpy
-first (a profile of a wrong kernel is of no use), then launched --runs times on the same weights; with --time,
-instead timed back-to-back in a captured graph with PDL as `nanoqwen bench --kernels` times them (weights
-rotating past L2), against the copy bandwidth measured in the same run.
+fields replaced (the fields nanoqwen-tune sweeps, tune/spaces.yaml, and l2_fetch; values as `nanoqwen-gen
+--param` takes them), and with @M its m-row kernel (`down:splitk=4@8:warps=16`: the fields after M are the
+m-row tile's, codegen/kernels/gemv.py MULTIROW_TILE, as a tuned entry holds them). Each kernel is checked
+against numpy first (a profile of a wrong kernel is of no use) and its residency printed (the CTAs an SM
+holds by registers, threads and shared memory, and the grid in waves of them), then launched --runs times on
+the same weights; with --time, instead timed back-to-back in a captured graph with PDL as `nanoqwen bench
+--kernels` times them (weights rotating past L2), against the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import numpy as np
 
 from nanoqwen import NanoqwenError, codegen, config
+from nanoqwen.codegen.gpu import GpuProfile, resident_ctas
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError, parse_params
 from nanoqwen.dims import QWEN25_7B
@@ -42,7 +44,8 @@ def tile_spec(arg: str, cfg: config.Config) -> gemv.GemvInt4Spec:
     role, _, fields = single.partition(":")
     if role not in gemv.ROLES:
         raise NanoqwenError(f"{arg!r}: unknown role {role!r} (known: {', '.join(gemv.ROLES)})")
-    tile_fields = {name for s in space.tile_spaces() for name in s}   # what nanoqwen-tune sweeps
+    # what nanoqwen-tune sweeps, and the weight loads' L2 fetch size (no tile has won with it yet)
+    tile_fields = {name for s in space.tile_spaces() for name in s} | {"l2_fetch"}
     try:
         spec = gemv.role_spec(role, QWEN25_7B, cfg, **_fields(fields, tile_fields))
         if not multi:
@@ -79,6 +82,7 @@ def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.C
     from nanoqwen.bench.gemv_case import GemvCase
     from nanoqwen.runtime import driver
     stream = driver.Stream()
+    gpu = GpuProfile.from_props(driver.device().props)
     copy_GBps = kernels.copy_bandwidth(stream)["GBps"] if time else 0.0
     blocker = driver.DeviceBuffer(kernels.BLOCKER_BYTES) if time else None
     try:
@@ -88,7 +92,10 @@ def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.C
             try:
                 fn = driver.load(built)
                 err = case.check(fn, spec, stream)
-                print(f"{spec.uri}: {built.resources.registers} registers, grid {spec.launch().grid}, "
+                launch, regs = spec.launch(), built.resources.registers
+                ctas = resident_ctas(launch.block[0], regs, spec.smem_ctas(gpu))
+                waves = launch.grid[0] * launch.grid[1] / (ctas * gpu.sm_count)
+                print(f"{spec.uri}: {regs} registers, grid {launch.grid}, {ctas} CTAs an SM: {waves:.2f} waves, "
                       f"rel err {err:.1e}", flush=True)
                 if not err <= cfg.validation.gemv_rel_tol:
                     print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ... import config, quant
 from ...dims import ModelDims
-from ..gpu import DEFAULT, GpuProfile
+from ..gpu import DEFAULT, THREADS_PER_SM, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out, whole_splits
 from .gemm import NORM_THREADS
 
@@ -201,7 +201,7 @@ class GemvInt4Spec(VariantParams, KernelSpec):
         if self.kwarps not in (1, 2, 4, 8) or self.warps % self.kwarps or self.kwarps > 1 and not self.mma:
             raise SpecError(f"{f}.kwarps={self.kwarps} must be 1, 2, 4 or 8, divide warps={self.warps}, and "
                             f"be 1 without mma")
-        most = min(self.smem_ctas(), 2048 // (32 * self.warps))   # CTAs an SM's shared memory and threads hold
+        most = min(self.smem_ctas(), THREADS_PER_SM // (32 * self.warps))   # what shared memory and threads allow
         if self.ctas_per_sm and (self.m == 1 or self.ctas_per_sm > most):
             raise SpecError(f"{f}.ctas_per_sm={self.ctas_per_sm}: an m-row kernel's, at most the {most} CTAs its "
                             f"shared memory and threads allow an SM")
