@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # fails for FAIL_FILE.
 FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
-  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*) exit 0;;
+  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*|*nanoqwen.cli.tune*) exit 0;;
+  *"cache_root()"*) echo "$CACHE"; exit 0;;
   *tools/test_lanes.py*) exec "$REAL_PY" "$@";;
 esac
 f="${@: -1}"
@@ -104,3 +105,22 @@ def test_gpu_check_lanes_from_past_times(tmp_path):
     assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
     starts = sorted(t[f]["start"] for f in [SLOW, *OTHERS])
     assert starts[1] < min(t[f]["end"] for f in [SLOW, *OTHERS])   # two lanes began together
+
+
+def test_the_tuner_stage_returns_every_judged_candidate(tmp_path):
+    """GPU_CHECK_TUNE: besides tuned.json, the tuner's progress file (every candidate judged on the machine)
+    comes back as tune-progress.json."""
+    fake, out, cache = tmp_path / "python3", tmp_path / "out", tmp_path / "cache"
+    fake.write_text(FAKE_PY)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    progress = cache / "tune" / "progress" / "NVIDIA_H100_80GB_HBM3.json"
+    progress.parent.mkdir(parents=True)
+    progress.write_text('{"gemv_int4_x-0123.cubin": {"status": "ok", "us": 25.1}}')
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(tmp_path / "runs.txt"), CACHE=str(cache),
+               GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS="none", GPU_CHECK_TUNE="10",
+               PATH=f"{tmp_path}:{os.environ['PATH']}", REAL_PY=sys.executable)
+    rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
+                        timeout=120).returncode
+    assert rc == 0
+    assert (out / "tune-progress.json").read_text() == progress.read_text()
+    assert (out / "tuned.json").read_bytes() == (ROOT / "tune" / "tuned.json").read_bytes()

@@ -12,7 +12,8 @@
 #   GPU_CHECK_LANES    N: instead, every file but the timing ones in N lanes of about equal time, from the times
 #                      of the newest results/gpu-tests-*.log (tools/test_lanes.py)
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
-#   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning)
+#   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning); tuned.json and tune-progress.json
+#                      (every candidate judged: us, % of copy, or why it was discarded)
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
 #                      beside this GPU's m = 1 kernels, `nanoqwen-tune --rows`)
 #   GPU_CHECK_TUNE_ROLES GEMV roles to tune (default: all four)
@@ -153,6 +154,9 @@ if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
         --rows "${GPU_CHECK_TUNE_ROWS:-1}" --roles "${GPU_CHECK_TUNE_ROLES:-qkv,o_proj,gate_up,down}" \
         --kernels "${GPU_CHECK_TUNE_KERNELS:-gemv}" ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}
     cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
+    # every candidate judged on this machine (us, % of copy, or why it was discarded), not only the winners
+    cat "$($PY -c 'from nanoqwen import config; print(config.cache_root())')"/tune/progress/*.json \
+        > "$OUT/tune-progress.json" 2>/dev/null
 fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
 [ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 200 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
