@@ -41,7 +41,8 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     timeable = True   # templates/gemv_int4.cu.j2 places the timeline probe's hooks
     uri_fields = ("epilogue", "n", "k", "norm", "mma", "kwarps", "rows", "lanes", "warps", "tiles_per_warp",
                   "splitk", "m", "l2_fetch", "ctas_per_sm")
-    late_fields = KernelSpec.late_fields + ("mma", "kwarps", "l2_fetch", "ctas_per_sm")   # earlier kernels keep their names
+    # earlier kernels keep their names
+    late_fields = KernelSpec.late_fields + ("mma", "kwarps", "l2_fetch", "ctas_per_sm")
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
