@@ -40,17 +40,22 @@ SLOW, OTHERS, TIMING = ("tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "t
                         "tests/gpu/test_bench.py")
 
 
-def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tuple[int, dict, str]:
+def _gpu_check(tmp_path: Path, **env: str) -> int:
+    """tools/gpu_check.sh with FAKE_PY as its python3 and ``env`` on top (runs.txt in tmp_path, $OUT its out/);
+    its exit status."""
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PY)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / "out"), RUNS=str(tmp_path / "runs.txt"),
+               GPU_CHECK_KERNELS="0", PATH=f"{tmp_path}:{os.environ['PATH']}", REAL_PY=sys.executable, **env)
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
+                          timeout=120).returncode
+
+
+def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tuple[int, dict, str]:
     runs, out = tmp_path / "runs.txt", tmp_path / "out"
-    env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(runs), SLOW_FILE=SLOW, FAIL_FILE=fail,
-               GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
-               GPU_CHECK_PARALLEL_TESTS=lanes, PATH=f"{tmp_path}:{os.environ['PATH']}", REAL_PY=sys.executable,
-               **extra)
-    rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
-                        timeout=120).returncode
+    rc = _gpu_check(tmp_path, SLOW_FILE=SLOW, FAIL_FILE=fail, GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
+                    GPU_CHECK_PARALLEL_TESTS=lanes, **extra)
     times = {}
     for line in runs.read_text().splitlines():
         what, f, t = line.split()
@@ -110,17 +115,10 @@ def test_gpu_check_lanes_from_past_times(tmp_path):
 def test_the_tuner_stage_returns_every_judged_candidate(tmp_path):
     """GPU_CHECK_TUNE: besides tuned.json, the tuner's progress file (every candidate judged on the machine)
     comes back as tune-progress.json."""
-    fake, out, cache = tmp_path / "python3", tmp_path / "out", tmp_path / "cache"
-    fake.write_text(FAKE_PY)
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out, cache = tmp_path / "out", tmp_path / "cache"
     progress = cache / "tune" / "progress" / "NVIDIA_H100_80GB_HBM3.json"
     progress.parent.mkdir(parents=True)
     progress.write_text('{"gemv_int4_x-0123.cubin": {"status": "ok", "us": 25.1}}')
-    env = dict(os.environ, PYTHON=str(fake), OUT=str(out), RUNS=str(tmp_path / "runs.txt"), CACHE=str(cache),
-               GPU_CHECK_KERNELS="0", GPU_CHECK_TESTS="none", GPU_CHECK_TUNE="10",
-               PATH=f"{tmp_path}:{os.environ['PATH']}", REAL_PY=sys.executable)
-    rc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], env=env, capture_output=True,
-                        timeout=120).returncode
-    assert rc == 0
+    assert _gpu_check(tmp_path, CACHE=str(cache), GPU_CHECK_TESTS="none", GPU_CHECK_TUNE="10") == 0
     assert (out / "tune-progress.json").read_text() == progress.read_text()
     assert (out / "tuned.json").read_bytes() == (ROOT / "tune" / "tuned.json").read_bytes()

@@ -50,4 +50,3 @@ def test_help_renders(capsys):
     with pytest.raises(SystemExit) as e:
         profile.main(["--help"])
     assert e.value.code == 0 and "--time" in capsys.readouterr().out
-
