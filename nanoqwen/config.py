@@ -91,6 +91,8 @@ class Multirow:
     lm_head_rows_per_warp: int
     attention_ctas_per_sm: int
     attention_stages: int
+    norm_apart: tuple[str, ...]
+    norm_apart_rows: int
 
     def __post_init__(self):
         b = self.buckets
@@ -102,6 +104,12 @@ class Multirow:
             raise ConfigError(f"multirow.lm_head_rows_per_warp must be 1..32, got {self.lm_head_rows_per_warp}")
         if not 1 <= self.attention_ctas_per_sm <= 8:
             raise ConfigError(f"multirow.attention_ctas_per_sm must be 1..8, got {self.attention_ctas_per_sm}")
+        if set(self.norm_apart) - {"qkv", "gate_up"} or len(set(self.norm_apart)) != len(self.norm_apart):
+            raise ConfigError(f"multirow.norm_apart names the GEMVs with an RMSNorm, qkv and gate_up, each once; got "
+                              f"{list(self.norm_apart)}")
+        if self.norm_apart_rows < 2:
+            raise ConfigError(f"multirow.norm_apart_rows must be at least 2 (one row keeps the fused norm), got "
+                              f"{self.norm_apart_rows}")
 
 
 @dataclass(frozen=True)

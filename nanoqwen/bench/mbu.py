@@ -21,9 +21,10 @@ from ..dims import ModelDims
 
 REGIONS = ("embed", "qkv_gemv", "rope_append", "paged_attention", "o_proj", "gate_up_gemv", "down", "lm_head_argmax")
 # decoder role (runtime/decoder.step_specs) -> region; decode and combine are one region
-ROLE_REGION = {"embed": "embed", "qkv": "qkv_gemv", "rope_append": "rope_append",
+ROLE_REGION = {"embed": "embed", "qkv_norm": "qkv_gemv", "qkv": "qkv_gemv", "rope_append": "rope_append",
                "attention_decode": "paged_attention", "attention_combine": "paged_attention",
-               "o_proj": "o_proj", "gate_up": "gate_up_gemv", "down": "down", "lm_head": "lm_head_argmax"}
+               "o_proj": "o_proj", "gate_up_norm": "gate_up_gemv", "gate_up": "gate_up_gemv", "down": "down",
+               "lm_head": "lm_head_argmax"}   # a GEMV's RMSNorm run apart (multirow.norm_apart) is its region's
 GEMV_REGION = {"qkv": "qkv_gemv", "o_proj": "o_proj", "gate_up": "gate_up_gemv", "down": "down"}
 
 F16, F32, I32 = 2, 4, 4

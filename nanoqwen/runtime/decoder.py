@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.gpu import DEFAULT as DEFAULT_GPU, GpuProfile
-from ..codegen.kernels import attention, embed, embed_prefill, gemv, lm_head
+from ..codegen.kernels import attention, embed, embed_prefill, gemm, gemv, lm_head
 from ..codegen import probe, tuned
 from . import driver
 from .driver import check, cu
@@ -39,8 +39,13 @@ def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_
     the m-row kernel of that tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1
     embeds its rows with the prefill's embed (a copy, the same bits)."""
     rope_append, attention_decode, attention_combine = tuned.attention_specs(dims, cfg, gpu, m, profile)
+    gemvs = {role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES}
+    apart = cfg.multirow.norm_apart if m >= cfg.multirow.norm_apart_rows else ()
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
-            **{role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES},
+            **gemvs, **{role: gemv.norm_apart(gemvs[role]) for role in apart},
+            # multirow.norm_apart: x16 = RMSNorm(h) over the m rows, then the GEMV
+            **{norm_role(role): gemm.RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, max_m=m)
+               for role in apart},
             "rope_append": rope_append, "attention_decode": attention_decode,
             "attention_combine": attention_combine, "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
 
@@ -55,25 +60,40 @@ def buffer_bytes(dims, specs: dict, m: int = 1) -> dict[str, int]:
             "part_acc": acc_bytes, "part_ml": ml_bytes,      # attention split partials (m rows in the spec)
             "o16": 2 * m * d.q_dim,
             "a16": 2 * m * d.intermediate,
-            "partials": specs["lm_head"].partials_bytes}     # lm_head's per-CTA argmax keys
+            "partials": specs["lm_head"].partials_bytes,     # lm_head's per-CTA argmax keys
+            **({"x16": 2 * m * d.hidden} if any(norm_role(r) in specs for r in gemv.ROLES) else {})}   # norm_apart's x
 
 
-def add_layer(add, i: int, W, kv, st, b, where: dict) -> None:
+def norm_role(role: str) -> str:
+    """The role of the RMSNorm kernel ahead of GEMV ``role`` when its norm runs apart (config multirow.norm_apart)."""
+    return f"{role}_norm"
+
+
+def add_layer(add, i: int, W, kv, st, b, where: dict, roles=frozenset(), m: int = 1) -> None:
     """Decoder layer ``i`` of a step over the buffers ``b`` (``buffer_bytes``; one row or m rows), each
     kernel through ``add(role, **args)``. ``where`` says where the rows' positions and page table come
     from: the device state and the KV cache's table (the decode step), or a positions array and the rows'
-    own tables (the multi-row step, runtime/rowstep.py)."""
+    own tables (the multi-row step, runtime/rowstep.py). ``roles``: the step's kernels, which say whose
+    RMSNorm runs apart (``norm_role``), over its ``m`` rows."""
     L = f"L{i}."
-    add("qkv", w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), h=b.h, norm_w=W(L + "input_norm"),
-        bias=W(L + "qkv.bias"), y=b.qkv)
+
+    def normed(role, norm_w, **args):   # the GEMV of RMSNorm(h): the norm in its prologue, or in a kernel before
+        if norm_role(role) in roles:
+            add(norm_role(role), h=b.h, w=norm_w, xn=b.x16, m=m)
+            add(role, x=b.x16, **args)
+        else:
+            add(role, h=b.h, norm_w=norm_w, **args)
+
+    normed("qkv", W(L + "input_norm"), w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), bias=W(L + "qkv.bias"),
+           y=b.qkv)
     add("rope_append", **where, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
         q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
     add("attention_decode", **where, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
         v_pool=kv.v_ptr(i), part_acc=b.part_acc, part_ml=b.part_ml)
     add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
     add("o_proj", w0=W(L + "o.packed"), s0=W(L + "o.scales"), x=b.o16, y=b.h)
-    add("gate_up", w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
-        s1=W(L + "up.scales"), h=b.h, norm_w=W(L + "post_norm"), y=b.a16)
+    normed("gate_up", W(L + "post_norm"), w0=W(L + "gate.packed"), s0=W(L + "gate.scales"), w1=W(L + "up.packed"),
+           s1=W(L + "up.scales"), y=b.a16)
     add("down", w0=W(L + "down.packed"), s0=W(L + "down.scales"), x=b.a16, y=b.h)
 
 

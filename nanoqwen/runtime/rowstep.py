@@ -81,7 +81,8 @@ class RowStep:
         embed_spec = self.kernels[m]["embed"][0]
         add("embed", embed_spec.launch(m), tokens=b.rows_in, embed=W("embed"), h=b.h, err=st.err, n=m)
         for i in range(d.layers):
-            add_layer(add, i, W, kv, st, b, where={"positions": positions, "page_table": b.row_tables})
+            add_layer(add, i, W, kv, st, b, where={"positions": positions, "page_table": b.row_tables},
+                      roles=self.kernels[m].keys(), m=m)
         add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=b.logits, tokens_out=b.tokens_out,
             tokens_cap=m, partials=b.partials, argmax_done=b.argmax_done, err=st.err)
         return seq

@@ -19,7 +19,7 @@ import pytest
 from nanoqwen import codegen, config
 from nanoqwen import reference as R
 from nanoqwen.bench.gemv_case import GemvCase, bits, random_int4, rel_err
-from nanoqwen.codegen.kernels import gemv
+from nanoqwen.codegen.kernels import gemm, gemv
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime import driver
 from nanoqwen.testmodels import tiny_dims
@@ -208,3 +208,45 @@ def test_multirow_massive_row_beside_ordinary_rows(multirow_fns, one, m):
     row itself) stay bitwise their m = 1 outputs (class (a)); the ordinary rows within the GEMV tolerance of
     the reference, the massive row finite (its error is the m = 1 kernel's, test_massive_activations')."""
     _check_rows(multirow_fns, one, gemv.multirow_spec(one, m, CFG), massive_rows=(1,))
+
+
+# multirow.norm_apart: the RMSNorm of qkv's and gate_up's m rows in rmsnorm_prefill, once a row, then the m-row
+# GEMV without its prologue (gemv.norm_apart): the default and tensor-core m-row kernels at 2 and 8 rows, and
+# every tuned m-row tile (what would ship).
+NORM_APART_CASES = list(dict.fromkeys(
+    [(one, gemv.multirow_spec(one, m, CFG)) for m in (2, 8)
+     for one in [gemv.role_spec(r, QWEN25_7B, CFG) for r in ("qkv", "gate_up")] + gemv.mma_variants(QWEN25_7B, CFG)
+     if one.norm]
+    + [(one, many) for model, one, many in _tuned_multirow() if model == "7b" and many.norm]))
+NORM = gemm.RmsnormPrefillSpec(hidden=QWEN25_7B.hidden, eps=QWEN25_7B.rms_eps, max_m=max(CFG.multirow.buckets))
+
+
+@pytest.fixture(scope="module")
+def norm_apart_fns():
+    specs = [NORM] + [gemv.norm_apart(many) for _one, many in NORM_APART_CASES]
+    return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
+
+
+@pytest.mark.parametrize("massive", [False, True], ids=["ordinary", "massive-row"])
+@pytest.mark.parametrize("one,many", NORM_APART_CASES, ids=[s.uri for _, s in NORM_APART_CASES])
+def test_norm_apart_rows_are_the_fused_norm_rows(multirow_fns, norm_apart_fns, one, many, massive):
+    """rmsnorm_prefill over the m rows, then the m-row GEMV reading its x (gemv.norm_apart): each row the bits
+    the m = 1 kernel gives it with the RMSNorm in its prologue (class (a): templates/rmsnorm.cuh is both
+    kernels' arithmetic), a row of massive activations included."""
+    apart, m = gemv.norm_apart(many), many.m
+    case = GemvCase.seeded(many, RUN_SEED, massive_rows=(1,) if massive else ())
+    xn = driver.DeviceBuffer(2 * m * many.k)
+    try:
+        alone = case.alone(multirow_fns[one], one).reshape(m, -1)
+        norm_apart_fns[NORM].launch(NORM.launch(m), None, False, h=case.act["h"], w=case.act["norm_w"], xn=xn, m=m)
+        case._reset(None)
+        args = {k: v for k, v in case.args(0).items() if k not in ("h", "norm_w")}
+        norm_apart_fns[apart].launch(apart.launch(), None, False, **args, x=xn)
+        out = case._output(apart, None).reshape(m, -1)
+    finally:
+        xn.free()
+        case.free()
+    for a in range(m):
+        assert np.array_equal(bits(out[a]), bits(alone[a])), (
+            f"{apart.uri} after {NORM.uri}: row {a} differs from {one.uri} in "
+            f"{np.count_nonzero(bits(out[a]) != bits(alone[a]))} of {one.n} outputs (seed {RUN_SEED})")

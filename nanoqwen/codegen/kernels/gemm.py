@@ -208,6 +208,7 @@ class RmsnormPrefillSpec(KernelSpec):
     Parameters: h f32 [M, hidden], w f16 [hidden], xn, m. Grid ``launch(m)``: (m,), NORM_THREADS a row."""
     family = "rmsnorm_prefill"
     template = "rmsnorm_prefill.cu.j2"
+    timeable = True   # the multi-row step runs it too (multirow.norm_apart): the timeline's hooks are placed
     uri_fields = ("hidden",)
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("h", "float", restrict=False, note="written by the previous kernel: no .nc"), inp("w", "f16"),

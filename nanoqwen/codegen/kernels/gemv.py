@@ -364,6 +364,17 @@ def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfil
             for m in cfg.multirow.buckets if m > 1]
 
 
+def norm_apart(spec: GemvInt4Spec) -> GemvInt4Spec:
+    """``spec`` (a GEMV with the RMSNorm prologue) reading x that rmsnorm_prefill (codegen/kernels/gemm.py)
+    made of h instead: every row's bits unchanged (templates/rmsnorm.cuh is both kernels' arithmetic), h read
+    once a row instead of once a CTA (an m-row gate_up's ~400 CTAs each normalise all m rows)."""
+    if not spec.norm:
+        raise SpecError(f"{spec.family}: norm_apart takes a GEMV with the RMSNorm prologue ({spec.uri} has none)")
+    out = dataclasses.replace(spec, norm=False)
+    out.validate()
+    return out
+
+
 # A tensor-core tile: prefetch, and a partial last batch on every 7B shape (28 and 37 groups). The tests',
 # and the prefill row GEMVs' (until tuned).
 MMA_TILE = dict(mma=True, lanes=4, rows=2, warps=8, tiles_per_warp=1, unroll=3, prefetch=True)
