@@ -122,3 +122,16 @@ def test_the_tuner_stage_returns_every_judged_candidate(tmp_path):
     assert _gpu_check(tmp_path, CACHE=str(cache), GPU_CHECK_TESTS="none", GPU_CHECK_TUNE="10") == 0
     assert (out / "tune-progress.json").read_text() == progress.read_text()
     assert (out / "tuned.json").read_bytes() == (ROOT / "tune" / "tuned.json").read_bytes()
+
+
+def test_steps_run_here_then_in_each_ab_tree_then_here_again(tmp_path):
+    """GPU_CHECK_SPECULATE=steps with two A/B trees (GPU_CHECK_STEPS_AB, space-separated): the multi-row step
+    times run in this tree, then in each tree in turn (its file named for the tree), then here again."""
+    trees = [tmp_path / "ab" / name for name in ("1111111", "2222222")]
+    for tree in trees:
+        tree.mkdir(parents=True)
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_SPECULATE="steps",
+                      GPU_CHECK_STEPS_AB=" ".join(map(str, trees))) == 0
+    out = tmp_path / "out"
+    started = [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
+    assert started == [str(out / f"steps{s}.json") for s in ("", "-1111111", "-2222222", "-again")]

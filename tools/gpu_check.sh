@@ -45,9 +45,9 @@
 #   GPU_CHECK_LOAD     1 times loading the synthetic 7B with and without payload verification (load-7b.json)
 #   GPU_CHECK_SPECULATE 1 runs the speculative-decoding benchmark (multi-row step times, oracle drafts, the
 #                      draft model's cost, the small model's code-edit workload; speculate.json); "steps": the
-#                      multi-row step times alone (steps.json), and with GPU_CHECK_STEPS_AB=TREE (.ab/COMMIT, as
-#                      below) the same in that tree, then here again (steps-COMMIT.json, steps-again.json): an
-#                      A/B of the m-row kernels in ~3 minutes
+#                      multi-row step times alone (steps.json), and with GPU_CHECK_STEPS_AB=TREE... (.ab/COMMIT,
+#                      as below; several, space-separated) the same in each tree, then here again
+#                      (steps-COMMIT.json, steps-again.json): an A/B of the m-row kernels in ~3 minutes
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
@@ -178,12 +178,15 @@ fi
 [ "${GPU_CHECK_CONCURRENCY:-0}" = 1 ] && stage concurrency 540 $PY -m nanoqwen.bench.serve --concurrency \
     --json "$OUT/concurrency.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
-if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then the A/B tree's, then this tree's again
+if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then each A/B tree's, then this tree's again
     stage steps 150 $PY -m nanoqwen.bench.speculate --steps --json "$OUT/steps.json"
-    [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-ab 150 sh -c "cd '$GPU_CHECK_STEPS_AB' && \
-        NANOQWEN_COMMIT='$(basename "$GPU_CHECK_STEPS_AB")' PYTHONPATH=. $PY -m \
-        nanoqwen.bench.speculate --steps --json '$OUT/steps-$(basename "$GPU_CHECK_STEPS_AB").json'" && \
-        stage steps-again 150 $PY -m nanoqwen.bench.speculate --steps --json "$OUT/steps-again.json"
+    for tree in ${GPU_CHECK_STEPS_AB:-}; do
+        name=$(basename "$tree")
+        stage "steps-$name" 150 sh -c "cd '$tree' && NANOQWEN_COMMIT='$name' PYTHONPATH=. $PY -m \
+            nanoqwen.bench.speculate --steps --json '$OUT/steps-$name.json'"
+    done
+    [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-again 150 $PY -m nanoqwen.bench.speculate --steps \
+        --json "$OUT/steps-again.json"
 fi
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LLAMA:-0}" = 1 ] && stage llamacpp 540 $PY -m nanoqwen.bench.llamacpp --json "$OUT/llamacpp.json"
