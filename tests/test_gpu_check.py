@@ -135,3 +135,12 @@ def test_steps_run_here_then_in_each_ab_tree_then_here_again(tmp_path):
     out = tmp_path / "out"
     started = [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
     assert started == [str(out / f"steps{s}.json") for s in ("", "-1111111", "-2222222", "-again")]
+
+
+@pytest.mark.parametrize("rows", ["", "16"])
+def test_the_timeline_times_the_bucket_it_is_given(tmp_path, rows):
+    """GPU_CHECK_TIMELINE=1 times the 8-row step beside the decode step, GPU_CHECK_TIMELINE_ROWS another bucket
+    (the stand-in logs the command's last argument: the bucket)."""
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_TIMELINE="1", GPU_CHECK_TIMELINE_ROWS=rows) == 0
+    started = [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
+    assert started == [rows or "8"]

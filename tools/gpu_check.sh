@@ -27,7 +27,8 @@
 #                      decode step and of the 8-row step timed inside the replayed graph (bench-7b-timeline.json
 #                      with the per-kernel figures, timeline.png, timeline-rows8.png, and the region chart
 #                      beside them, itl-timeline.png); GPU_CHECK_TIMELINE_PROMPT sets its prompt length (default the
-#                      config protocol's 512; e.g. 16384 for the long-context step)
+#                      config protocol's 512; e.g. 16384 for the long-context step), GPU_CHECK_TIMELINE_ROWS the
+#                      multi-row bucket it times (default 8; timeline-rowsM.png)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
 #   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark (GPU_CHECK_PREFILL_M: its row counts, default 32 512 4096)
 #   GPU_CHECK_ATTENTION 1 runs the decode attention benchmark (attention_decode + combine alone, m = 1..16
@@ -167,7 +168,8 @@ fi
     --out "$OUT/bench-7b.json" --plot "$OUT/itl.png" --profile "$OUT/profile-7b.json"
 [ "${GPU_CHECK_TIMELINE:-0}" = 1 ] && stage timeline 300 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
     ${GPU_CHECK_TIMELINE_PROMPT:+--prompt-tokens "$GPU_CHECK_TIMELINE_PROMPT"} \
-    --out "$OUT/bench-7b-timeline.json" --plot "$OUT/itl-timeline.png" --timeline "$OUT/timeline.png" --timeline-rows 8
+    --out "$OUT/bench-7b-timeline.json" --plot "$OUT/itl-timeline.png" --timeline "$OUT/timeline.png" \
+    --timeline-rows "${GPU_CHECK_TIMELINE_ROWS:-8}"
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
 [ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 240 $PY -m nanoqwen.bench.prefill ${GPU_CHECK_PREFILL_M:+--m $GPU_CHECK_PREFILL_M} \
