@@ -1,0 +1,153 @@
+"""The code-edit workload's speculative rounds, replayed on the CPU from plain greedy output and priced by a
+model's measured step costs (issue 20: predict the 7B's edit speed-up from the measured acceptance and the
+measured m-row step costs, and check the prediction where the small model allows it).
+
+Greedy speculative output is plain greedy output (runtime/drafters.py ``accept``), so a request's rounds
+follow from its plain tokens alone: at each round the runner's loop (runtime/runner.py) asks the same
+``Speculation`` for a draft, and the verify's choices are the plain tokens at those positions. ``replay``
+runs that loop without a model; ``price`` times the rounds with a model's step costs:
+
+* a verify of k drafts costs the wall time of the smallest bucket of at least k + 1 rows (a verify waits
+  for its argmaxes, host included: ``wall_times``' figures, which the runner's cost rule also reads);
+* a plain step, here and in the plain baseline, costs the decode graph step (plain steps run ahead of the
+  host);
+* each verify round adds ``host_ms`` of the host's own work beyond the step's wall time (the drafter, the
+  bookkeeping, the plain steps' restart), which the small model's measured run calibrates: its decode time
+  (the measured speculative run less the plain run's time beyond its replayed steps, i.e. the prefill and
+  request overhead both runs pay) less the replayed rounds, per verify.
+
+The prompt's prefill is the same in both runs and left out, so the figure is the decode part's speed-up.
+
+    python -m nanoqwen.bench.edit_replay --measured results/speculate-h100-2026-12-05-stage.json \\
+        --steps results/steps-h100-2026-12-06-norm-apart.json --run B --json out.json
+
+runs the small model's plain greedy output on the CPU (the numpy reference engine), replays it under the
+small model's measured costs (the check: its drafted / accepted / verify counts and speed-up beside the
+GPU's, ``--measured``) and under the 7B's (``--steps``: a steps or speculate JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import config, paths
+from ..runtime.drafters import PromptLookup, Speculation
+from . import protocol
+from .kernels import git_commit
+from .speculate import EDIT_SOURCE, edit_cases
+
+
+@dataclass
+class Rounds:
+    """One request's speculative decoding: the rows of each verify (k + 1) and the plain steps between."""
+    verify_rows: list[int]
+    plain_steps: int
+    drafted: int
+    accepted: int
+
+
+def replay(prompt: list[int], plain: list[int], setting, costs: dict[int, float] | None, max_draft: int) -> Rounds:
+    """The runner's speculative loop for a greedy request whose plain output is ``plain`` (its first token
+    from the prefill), with ``setting``'s drafter and the cost rule over ``costs`` (rows -> ms; None: the
+    drafter's own k). The tokens it accepts are ``plain`` (asserted)."""
+    spec = Speculation(setting(prompt), costs)
+    gen = spec.accept([], [plain[0]])
+    rows, steps = [], 0
+    while len(gen) < len(plain):
+        limit = min(len(plain) - len(gen) - 1, max_draft)
+        n = spec.commit_plain(limit)
+        drafts = [] if n else spec.draft(limit)
+        if drafts:
+            p = len(gen)
+            gen += spec.accept(drafts, plain[p:p + len(drafts) + 1])
+            rows.append(len(drafts) + 1)
+        else:
+            for _ in range(max(n, 1)):
+                gen += spec.accept([], [plain[len(gen)]])
+                steps += 1
+    assert gen == plain, "a replayed round accepted a token plain greedy decoding did not choose"
+    return Rounds(rows, steps, spec.drafted, spec.accepted)
+
+
+def price(rounds: list[Rounds], verify_ms: dict[int, float], step_ms: float, host_ms: float = 0.0) -> dict:
+    """Decode time of the rounds against plain decoding of the same tokens (``verify_ms``: bucket -> a
+    verify's wall ms; ``step_ms``: the decode graph step; ``host_ms``: the host's own work a verify)."""
+    buckets = sorted(verify_ms)
+    verifies = sum(len(rs.verify_rows) for rs in rounds)
+    spec = sum(verify_ms[next(b for b in buckets if b >= r)] for rs in rounds for r in rs.verify_rows)
+    spec += step_ms * sum(rs.plain_steps for rs in rounds) + host_ms * verifies
+    tokens = sum(len(rs.verify_rows) + rs.accepted + rs.plain_steps for rs in rounds)   # after the first
+    plain = step_ms * tokens
+    return {"plain_ms": plain, "spec_ms": spec, "speedup": plain / spec, "verifies": verifies, "host_ms": host_ms}
+
+
+def plain_outputs(small: Path, text: str, gen: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, plain greedy tokens) of each edit case on the CPU reference engine."""
+    from ..backends import ReferenceEngine
+    from ..modelcache import resolve
+    from ..tokenizer import load as load_tokenizer
+    tok = load_tokenizer(small)
+    engine = ReferenceEngine(resolve(small, log=lambda m: None), 2048)
+    return [(p, list(engine.generate(p, gen))) for p in (tok.encode(t) for t, _kind in edit_cases(text))]
+
+
+def costs_of(res: dict) -> tuple[dict[int, float], float]:
+    """(rows -> a verify's wall ms, the decode graph step ms) of a speculate or steps JSON."""
+    return {int(m): ms for m, ms in res["step_wall_ms"].items()}, res["step"]["1"]["ms"]
+
+
+def run(measured: dict, steps: dict, gen: int = 96) -> dict:
+    top = paths.checkout()
+    cases = plain_outputs(top / "tests/data/small-py", (top / EDIT_SOURCE).read_text(), gen)
+    setting, max_draft = PromptLookup(max_draft=15), max(config.default().multirow.buckets) - 1
+    edit = measured["edit"]
+    small_costs = {int(m): ms for m, ms in edit["costs_ms"].items()}
+    small = [replay(p, out, setting, small_costs, max_draft) for p, out in cases]
+    check = [{"kind": c["kind"], "measured": [c["drafted"], c["accepted"], c["verifies"]],
+              "replayed": [r.drafted, r.accepted, len(r.verify_rows)]} for c, r in zip(edit["cases"], small)]
+    alone = price(small, small_costs, small_costs[1])
+    t_plain, t_spec = (1e3 * sum(c[k] for c in edit["cases"]) for k in ("plain_s", "spec_s"))
+    host = (t_spec - (t_plain - alone["plain_ms"]) - alone["spec_ms"]) / alone["verifies"]
+    wall7, step7 = costs_of(steps)
+    big = [replay(p, out, setting, wall7, max_draft) for p, out in cases]
+    return {"kind": "nanoqwen-edit-replay", "schema": 1, "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "how": __doc__.split("\n\n")[1].replace("\n", " "),
+            "small": {"costs_from": measured["commit"], "gpu": measured["gpu"]["name"],
+                      "measured_speedup": edit["speedup"],
+                      "replayed": alone, "host_ms_per_verify": host,
+                      "cases_identical": sum(c["measured"] == c["replayed"] for c in check), "cases": check},
+            "7b": {"costs_from": steps["commit"], "gpu": steps["gpu"]["name"], "verify_ms": wall7, "step_ms": step7,
+                   "acceptance": sum(r.accepted for r in big) / max(sum(r.drafted for r in big), 1),
+                   "verify_rows": sorted(set(n for r in big for n in r.verify_rows)),
+                   "steps_alone": price(big, wall7, step7), "predicted": price(big, wall7, step7, host)}}
+
+
+def main(argv=None) -> int:
+    import json
+    p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.edit_replay", description=__doc__.split("\n")[0])
+    p.add_argument("--measured", type=Path, required=True, help="a speculate JSON with the small model's edit run")
+    p.add_argument("--steps", type=Path, required=True, help="a steps or speculate JSON with the 7B's step costs")
+    p.add_argument("--run", help="the run of a steps A/B JSON (its \"runs\") to take the 7B's costs from")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    steps = json.loads(args.steps.read_text())
+    if "runs" in steps:
+        if args.run not in steps["runs"]:
+            p.error(f"--steps {args.steps} holds runs {', '.join(steps['runs'])}: name one with --run")
+        steps = steps["runs"][args.run]
+    res = run(json.loads(args.measured.read_text()), steps)
+    s, b = res["small"], res["7b"]
+    print(f"small model ({s['gpu']}, {s['costs_from']}): measured {s['measured_speedup']:.2f}x, its steps alone "
+          f"{s['replayed']['speedup']:.2f}x; {s['cases_identical']}/{len(s['cases'])} cases with the GPU's counts; "
+          f"the host's own work {s['host_ms_per_verify']:.3f} ms a verify")
+    print(f"7B ({b['gpu']}, {b['costs_from']}): acceptance {b['acceptance']:.2f}, verifies of {b['verify_rows']} "
+          f"rows, steps alone {b['steps_alone']['speedup']:.2f}x, predicted {b['predicted']['speedup']:.2f}x")
+    protocol.save(res, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
