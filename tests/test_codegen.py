@@ -464,5 +464,5 @@ def test_nvrtc_output_buffers_never_alias_cached_bytes():
     (128, 40, 12, 12),    # shared memory binds first
     (1024, 32, 32, 2),    # threads bind first
 ])
-def test_resident_ctas_are_the_tightest_sm_limit(threads, registers, smem_ctas, ctas):
-    assert gpu.resident_ctas(threads, registers, smem_ctas) == ctas
+def test_ctas_an_sm_holds_are_the_tightest_sm_limit(threads, registers, smem_ctas, ctas):
+    assert gpu.ctas_an_sm_holds(threads, registers, smem_ctas) == ctas

@@ -52,6 +52,11 @@ def _gpu_check(tmp_path: Path, **env: str) -> int:
                           timeout=120).returncode
 
 
+def _started(tmp_path: Path) -> list[str]:
+    """The last argument of each command the stand-in ran, in order."""
+    return [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
+
+
 def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tuple[int, dict, str]:
     runs, out = tmp_path / "runs.txt", tmp_path / "out"
     rc = _gpu_check(tmp_path, SLOW_FILE=SLOW, FAIL_FILE=fail, GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
@@ -133,8 +138,7 @@ def test_steps_run_here_then_in_each_ab_tree_then_here_again(tmp_path):
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_SPECULATE="steps",
                       GPU_CHECK_STEPS_AB=" ".join(map(str, trees))) == 0
     out = tmp_path / "out"
-    started = [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
-    assert started == [str(out / f"steps{s}.json") for s in ("", "-1111111", "-2222222", "-again")]
+    assert _started(tmp_path) == [str(out / f"steps{s}.json") for s in ("", "-1111111", "-2222222", "-again")]
 
 
 @pytest.mark.parametrize("rows", ["", "16"])
@@ -142,5 +146,4 @@ def test_the_timeline_times_the_bucket_it_is_given(tmp_path, rows):
     """GPU_CHECK_TIMELINE=1 times the 8-row step beside the decode step, GPU_CHECK_TIMELINE_ROWS another bucket
     (the stand-in logs the command's last argument: the bucket)."""
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_TIMELINE="1", GPU_CHECK_TIMELINE_ROWS=rows) == 0
-    started = [line.split()[1] for line in (tmp_path / "runs.txt").read_text().splitlines() if line.startswith("start")]
-    assert started == [rows or "8"]
+    assert _started(tmp_path) == [rows or "8"]

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from nanoqwen import NanoqwenError, codegen, config
-from nanoqwen.codegen.gpu import GpuProfile, resident_ctas
+from nanoqwen.codegen.gpu import GpuProfile, ctas_an_sm_holds
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError, parse_params
 from nanoqwen.dims import QWEN25_7B
@@ -93,7 +93,7 @@ def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.C
                 fn = driver.load(built)
                 err = case.check(fn, spec, stream)
                 launch, regs = spec.launch(), built.resources.registers
-                ctas = resident_ctas(launch.block[0], regs, spec.smem_ctas(gpu))
+                ctas = ctas_an_sm_holds(launch.block[0], regs, spec.smem_ctas(gpu))
                 waves = launch.grid[0] * launch.grid[1] / (ctas * gpu.sm_count)
                 print(f"{spec.uri}: {regs} registers, grid {launch.grid}, {ctas} CTAs an SM: {waves:.2f} waves, "
                       f"rel err {err:.1e}", flush=True)

@@ -10,7 +10,8 @@ runs that loop without a model; ``price`` times the rounds with a model's step c
 * a verify of k drafts costs the wall time of the smallest bucket of at least k + 1 rows (a verify waits
   for its argmaxes, host included: ``wall_times``' figures, which the runner's cost rule also reads);
 * a plain step, here and in the plain baseline, costs the decode graph step (plain steps run ahead of the
-  host);
+  host; the small model's speculate JSON holds no graph step of its own, so its measured decode step, launched
+  and waited for, stands in, and the host term below absorbs the difference);
 * each verify round adds ``host_ms`` of the host's own work beyond the step's wall time (the drafter, the
   bookkeeping, the plain steps' restart), which the small model's measured run calibrates: its decode time
   (the measured speculative run less the plain run's time beyond its replayed steps, i.e. the prefill and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +132,6 @@ def run(measured: dict, steps: dict, gen: int = 96) -> dict:
 
 
 def main(argv=None) -> int:
-    import json
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.edit_replay", description=__doc__.split("\n")[0])
     p.add_argument("--measured", type=Path, required=True, help="a speculate JSON with the small model's edit run")
     p.add_argument("--steps", type=Path, required=True, help="a steps or speculate JSON with the 7B's step costs")

@@ -35,8 +35,9 @@ from .charts import pyplot
 from .itl import StepTimer, launch_layers
 from .mbu import REGIONS, ROLE_REGION
 
+# the step's kernels in launch order within a layer (the chart's rows)
 ROLE_ORDER = ("embed", "qkv_norm", "qkv", "rope_append", "attention_decode", "attention_combine", "o_proj",
-              "gate_up_norm", "gate_up", "down", "lm_head")   # the step's kernels in launch order within a layer (the chart's rows)
+              "gate_up_norm", "gate_up", "down", "lm_head")
 REPS = 50
 
 

@@ -21,16 +21,19 @@ class GpuProfile:
         return cls(props.name, props.sm_count, props.max_smem_optin)
 
 
-# sm_90's per-SM limits (every Hopper part): threads, and registers, allocated per warp in units of 256.
+# sm_90's per-SM limits (every Hopper part): threads, registers (allocated per warp in units of 256) and CTAs.
 THREADS_PER_SM = 2048
 REGISTERS_PER_SM = 65536
+CTAS_PER_SM = 32
 
 
-def resident_ctas(threads: int, registers: int, smem_ctas: int) -> int:
+def ctas_an_sm_holds(threads: int, registers: int, smem_ctas: int) -> int:
     """CTAs of ``threads`` threads at ``registers`` registers a thread that one SM holds at once, at most
-    ``smem_ctas`` (what their shared memory allows)."""
+    ``smem_ctas`` (what their shared memory allows). What the hardware allows, not what a spec's grid is fitted
+    to (GemvInt4Spec.resident_ctas)."""
     per_warp = -(-registers * 32 // 256) * 256
-    return max(0, min(THREADS_PER_SM // threads, REGISTERS_PER_SM // (per_warp * (threads // 32)), smem_ctas, 32))
+    return max(0, min(THREADS_PER_SM // threads, REGISTERS_PER_SM // (per_warp * (threads // 32)), smem_ctas,
+                      CTAS_PER_SM))
 
 
 # H200 SXM: 132 SMs, 227 KB of opt-in shared memory per block (sm_90).
