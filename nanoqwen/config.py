@@ -91,6 +91,7 @@ class Multirow:
     lm_head_rows_per_warp: int
     attention_ctas_per_sm: int
     attention_stages: int
+    attention_pair_rows: int
     norm_apart: tuple[str, ...]
     norm_apart_rows: int
 
@@ -107,6 +108,9 @@ class Multirow:
         if set(self.norm_apart) - {"qkv", "gate_up"} or len(set(self.norm_apart)) != len(self.norm_apart):
             raise ConfigError(f"multirow.norm_apart names the GEMVs with an RMSNorm, qkv and gate_up, each once; got "
                               f"{list(self.norm_apart)}")
+        if self.attention_pair_rows == 1 or not 0 <= self.attention_pair_rows <= MAX_ROWS:
+            raise ConfigError(f"multirow.attention_pair_rows must be 0 (never) or the first bucket of paired rows, "
+                              f"2..{MAX_ROWS}; got {self.attention_pair_rows}")
         if self.norm_apart_rows < 2:
             raise ConfigError(f"multirow.norm_apart_rows must be at least 2 (one row keeps the fused norm), got "
                               f"{self.norm_apart_rows}")

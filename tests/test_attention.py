@@ -36,6 +36,10 @@ VARIANTS = [s for d in MODELS.values() for s in A.specs_for_model(d, CFG)] + [
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=6, consumer_warps=2, pipeline="mma"),
     A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, stages=4, pipeline="mma", m=8),
     A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=8, pipeline="mma"),   # dynamic ring
+    # rows paired in the mma tile (pair_rows): 168 registers at 2 CTAs an SM (at 3 the cap spills, as unpaired)
+    A.AttentionDecodeSpec(head_dim=128, kv_heads=4, gqa=7, splits=33, stages=4, pipeline="mma", m=8, pair_rows=True,
+                          ctas_per_sm=2),
+    A.AttentionDecodeSpec(head_dim=64, kv_heads=2, gqa=7, splits=66, stages=4, pipeline="mma", m=16, pair_rows=True),
 ]
 
 
@@ -93,6 +97,25 @@ def test_mma_decode_sass_is_tensor_core_work():
         assert spec.ctas_per_sm > 1 or ("LDL" not in sass and "STL" not in sass)
 
 
+def test_pair_rows_from_the_config_on_the_mma_pipeline_only():
+    """multirow.attention_pair_rows pairs the rows of its bucket and the larger ones; m = 1 (the decode step), the
+    smaller buckets and the bulk pipeline keep one row a CTA. Pairs merge twice the heads: the shared buffers grow,
+    the launch does not. Bad values are refused."""
+    on, off = (dataclasses.replace(CFG, multirow=dataclasses.replace(CFG.multirow, attention_pair_rows=v))
+               for v in (4, 0))
+    bulk = dataclasses.replace(on, attention=dataclasses.replace(on.attention, pipeline="bulk"))
+    assert [A.decode_specs(QWEN25_7B, on, m=m)[1].pair_rows for m in (1, 2, 4, 8, 16)] == [False, False, True, True,
+                                                                                           True]
+    assert not A.decode_specs(QWEN25_7B, bulk, m=8)[1].pair_rows
+    paired, alone = A.decode_specs(QWEN25_7B, on, m=8)[1], A.decode_specs(QWEN25_7B, off, m=8)[1]
+    assert dataclasses.replace(alone, pair_rows=True) == paired and paired.launch() == alone.launch()
+    assert paired.static_smem() - alone.static_smem() == paired.consumer_warps * paired.gqa * 2 * 4
+    assert "pair_rows" not in alone.uri and "pair_rows1" in paired.uri   # a late field: earlier names stay
+    for bad in (1, -1, 17):
+        with pytest.raises(config.ConfigError, match="attention_pair_rows"):
+            dataclasses.replace(CFG.multirow, attention_pair_rows=bad)
+
+
 def test_specs_for_model_fill_the_device():
     rope, dec, comb = A.decode_specs(QWEN25_7B, CFG)
     assert dec.launch().grid == (4, 33, 1) and dec.gqa == 7 and dec.page_size == CFG.kv_cache.page_size
@@ -113,6 +136,9 @@ def test_specs_for_model_fill_the_device():
     (dict(pipeline="mma", page_size=32), "16-token pages"),
     (dict(pipeline="mma", gqa=17), "query heads"),
     (dict(pipeline="mma", stages=3), "multiple of consumer_warps"),
+    (dict(pair_rows=True, m=8), "pair_rows"),                         # the pairs are the mma tile's rows
+    (dict(pipeline="mma", stages=4, pair_rows=True), "pair_rows"),    # one row: nothing to pair
+    (dict(pipeline="mma", stages=4, pair_rows=True, m=8, gqa=9), "pair_rows"),   # 9 heads: no room for a second row
 ])
 def test_decode_spec_rejects_impossible_variants(kw, match):
     base = dict(head_dim=128, kv_heads=4, gqa=7, splits=33)

@@ -236,29 +236,39 @@ def test_rope_append(fns, model, pos):
 
 
 def _decode_specs(d, m: int, pipeline: str):
+    """pipeline "bulk", "mma" or "mma-pairs" (mma, m > 1 rows paired: attention_decode's pair_rows)."""
     rope, dec, comb = A.decode_specs(d, CFG, m=m)
     # mma: each warp its own slots; bulk: a ring within the static 48 KB
-    ring = {"mma": dict(consumer_warps=4, stages=4), "bulk": dict(consumer_warps=4, stages=3)}[pipeline]
-    return rope, dataclasses.replace(dec, pipeline=pipeline, **ring), comb
+    base = pipeline.split("-")[0]
+    ring = {"mma": dict(consumer_warps=4, stages=4), "bulk": dict(consumer_warps=4, stages=3)}[base]
+    dec = dataclasses.replace(dec, pipeline=base, pair_rows=pipeline == "mma-pairs" and m > 1, **ring)
+    return rope, dec, comb
 
 
-@pytest.mark.parametrize("pipeline", ["bulk", "mma"])
+@pytest.mark.parametrize("positions", ["spread", "verify"])
+@pytest.mark.parametrize("pipeline", ["bulk", "mma", "mma-pairs"])
 @pytest.mark.parametrize("m", [2, 3, 16])
 @pytest.mark.parametrize("model", ["7b", "tiny"])
-def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
+def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline, positions):
     """The multi-row step's rope_append, attention_decode and attention_combine: row r, a token of its own at
     position positions[r], gives BITWISE what the m = 1 kernels give for that token alone (q_rot, the K/V
-    written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions spread
-    over page boundaries and lengths; two rows share a position (padding repeats the last real row).
-    Class (a) of docs/architecture.md: the same arithmetic per row by construction, compared bit for bit."""
+    written into its page slot, o16), whatever the other rows hold (DESIGN.md section 12). Positions "spread"
+    over page boundaries and lengths, or a "verify"'s consecutive ones across a page boundary (the rows the
+    mma-pairs pipeline serves two to a CTA, but the pair the boundary splits); two rows share a position
+    (padding repeats the last real row). Class (a) of docs/architecture.md: the same arithmetic per row by
+    construction, compared bit for bit."""
     d, rng = MODELS[model], fresh_rng()
     specs = {m_: _decode_specs(d, m_, pipeline) for m_ in (1, m)}
     built = codegen.build_many([s for t in specs.values() for s in t])
     fn = {b.spec: driver.load(b) for b in built}
     at = Attn(d, rng)
     at.fill(MAX_TOKENS)
-    positions = np.sort(rng.choice(np.arange(17, MAX_TOKENS - 1), m, replace=False)).astype(np.int32)
-    positions[:2] = (15, 16)       # the last slot of a page and the first of the next
+    if positions == "spread":
+        positions = np.sort(rng.choice(np.arange(17, MAX_TOKENS - 1), m, replace=False)).astype(np.int32)
+        positions[:2] = (15, 16)   # the last slot of a page and the first of the next
+    else:                          # a page boundary after row 2 (between rows 2 and 3: the pair (2, 3) split)
+        p0 = 16 * int(rng.integers(2, (MAX_TOKENS - 2 * m) // 16)) - 3
+        positions = np.arange(p0, p0 + m, dtype=np.int32)
     positions[-1] = positions[-2]  # a padded row repeats the last real one
     qkv_row = (d.heads + 2 * d.kv_heads) * d.head_dim
     qkv = (3.0 * rng.standard_normal((m, qkv_row))).astype(np.float32)
@@ -310,16 +320,19 @@ def test_multi_row_rows_are_the_single_row_kernels(model, m, pipeline):
             buf.free()
 
 
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("m", [3, 16])
 @pytest.mark.parametrize("model", ["7b", "tiny"])
-def test_multi_row_rows_of_several_sequences(model, m):
+def test_multi_row_rows_of_several_sequences(model, m, pairs):
     """Rows of several sequences in one multi-row step (continuous batching, DESIGN.md section 13): row r
     reads its own sequence's page-table row at page_table + positions[m + r] (a table of SEQS rows over one
     shared pool, each sequence's pages shuffled among the others'). Each row gives BITWISE what the m = 1
     kernels give for that token with its sequence's table alone: q_rot, the K/V slot it writes in its own
     sequence's page, o16 over its own sequence's K/V. The sequences' rows are interleaved, each sequence's
     positions ascending (so the rows re-run one at a time, in order, see what the step saw); the last row
-    pads (repeats the one before). Class (a) of docs/architecture.md, compared bit for bit."""
+    pads (repeats the one before). ``pairs``: attention_decode's pair_rows, whose CTAs serve two rows only where
+    they share a table row and its page count (here the padded pair), each other row alone. Class (a) of
+    docs/architecture.md, compared bit for bit."""
     SEQS, d, rng = 3, MODELS[model], fresh_rng()
     page = CFG.kv_cache.page_size
     per = MAX_TOKENS // page
@@ -344,6 +357,8 @@ def test_multi_row_rows_of_several_sequences(model, m):
     qkv = (3.0 * rng.standard_normal((m, qkv_row))).astype(np.float32)
     qkv[-1] = qkv[-2]
     specs = {m_: A.decode_specs(d, CFG, m=m_) for m_ in (1, m)}
+    rope, dec, comb = specs[m]
+    specs[m] = rope, dataclasses.replace(dec, pair_rows=pairs), comb
     fn = {b.spec: driver.load(b) for b in codegen.build_many([s for t in specs.values() for s in t])}
     cos, sin = (driver.DeviceBuffer.from_array(t) for t in R.rope_tables(d, MAX_TOKENS))
     acc_b, ml_b = A.partial_bytes(specs[m][1])

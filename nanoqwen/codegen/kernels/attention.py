@@ -62,7 +62,8 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
     template = "attention_decode.cu.j2"
     timeable = True   # templates/attention_decode.cu.j2 places the timeline probe's hooks
     uri_fields = ("pipeline", "head_dim", "kv_heads", "gqa", "splits", "stages", "consumer_warps", "m",
-                  "ctas_per_sm")
+                  "ctas_per_sm", "pair_rows")
+    late_fields = KernelSpec.late_fields + ("pair_rows",)
 
     head_dim: int
     kv_heads: int
@@ -81,6 +82,10 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
     # CTAs each SM must hold at once (__launch_bounds__' minimum, which caps the registers): the m rows'
     # 132 m CTAs of a few microseconds each run in fewer waves; none of a row's arithmetic depends on it
     ctas_per_sm: int = 1
+    # m > 1, mma: rows 2i and 2i + 1 that read the same pages (a verify's rows) share CTA 2i, row 2i + 1 in the
+    # tile rows the m = 1 kernel leaves zero (templates/attention_decode.cu.j2, PAIR): half the CTAs, each row
+    # rounded as alone
+    pair_rows: bool = False
 
     def _family_params(self):
         return (*_row_params(self.m), (inp("q_rot", "float"), True), (inp("k_pool", "f16"), True),
@@ -114,6 +119,9 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
         elif self.page_size % self.consumer_warps or (self.page_size // self.consumer_warps) % rows:
             raise SpecError(f"attention_decode.consumer_warps={self.consumer_warps}: each warp must own a "
                             f"multiple of {rows} of the {self.page_size} tokens of a page")
+        if self.pair_rows and (self.pipeline != "mma" or self.m == 1 or self.gqa > 8):
+            raise SpecError(f"attention_decode.pair_rows needs pipeline 'mma', m > 1 and at most 8 query heads per KV "
+                            f"head (pipeline {self.pipeline!r}, m {self.m}, gqa {self.gqa})")
         if self.stages > 8:
             raise SpecError(f"attention_decode.stages must be 1..8, got {self.stages}")
         if self.splits > 65535:
@@ -126,6 +134,11 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
                             f"memory (lower stages)")
 
     @property
+    def query_rows(self) -> int:
+        """Query rows one CTA may serve (pair_rows: 2)."""
+        return 2 if self.pair_rows else 1
+
+    @property
     def producers(self) -> int:
         return 0 if self.pipeline == "plain" else 1
 
@@ -133,7 +146,7 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
         """The ring and the warps' merge buffer, which share memory (the template's Smem union)."""
         row = self.head_dim + (8 if self.pipeline == "mma" else 0)   # mma pads each K/V row by 16 bytes
         ring = 2 * self.stages * self.page_size * row * 2 * self.producers
-        merge = self.consumer_warps * self.gqa * self.head_dim * 4
+        merge = self.consumer_warps * self.query_rows * self.gqa * self.head_dim * 4
         return max(ring, merge)
 
     @property
@@ -143,7 +156,8 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
         return self.pipeline == "mma" and self.ring_bytes() + self._fixed_smem() > STATIC_SMEM_LIMIT
 
     def _fixed_smem(self) -> int:
-        return 2 * self.stages * 8 * self.producers + self.consumer_warps * self.gqa * 2 * 4 + SM90_RESERVED_SMEM
+        return (2 * self.stages * 8 * self.producers + self.consumer_warps * self.query_rows * self.gqa * 2 * 4
+                + SM90_RESERVED_SMEM)
 
     def static_smem(self) -> int:
         return self._fixed_smem() + (0 if self.ring_dynamic else self.ring_bytes())
@@ -249,7 +263,8 @@ def decode_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, m: int
     splits = splits_for(dims.kv_heads, a["ctas_per_sm"] * gpu.sm_count)
     # m > 1: more, smaller CTAs an SM (their 132 m CTAs are latency-bound); none of it changes a row's bits
     ring = dict(stages=a["stages"]) if m == 1 else _tile(
-        MULTIROW_TILE, dict(stages=rows.attention_stages, ctas_per_sm=rows.attention_ctas_per_sm), tile)
+        MULTIROW_TILE, dict(stages=rows.attention_stages, ctas_per_sm=rows.attention_ctas_per_sm), tile) | dict(
+        pair_rows=0 < rows.attention_pair_rows <= m and a["pipeline"] == "mma")   # (the pairs are the mma tile's)
     dec = AttentionDecodeSpec(head_dim=dims.head_dim, kv_heads=dims.kv_heads, gqa=dims.gqa, splits=splits,
                               page_size=page, consumer_warps=a["consumer_warps"], pipeline=a["pipeline"], m=m, **ring)
     dec.validate()
