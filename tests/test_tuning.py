@@ -111,6 +111,16 @@ def test_multirow_candidates_keep_the_single_row_order(role):
     assert space.tile_params(cands[-1]).keys() == set(gemv.MULTIROW_TILE)
 
 
+def test_multirow_candidates_of_a_kwarps_kernel_rule_out_fewer_warps():
+    """A tensor-core kernel whose tiles take kwarps = 8 warps: m-row tiles of fewer warps are ruled out by
+    validate() (a clear SpecError), not a division by zero tile groups."""
+    one = gemv.role_spec("gate_up", QWEN25_7B, CFG, mma=True, lanes=4, rows=2, warps=8, kwarps=8)
+    with pytest.raises(SpecError, match="kwarps"):
+        gemv.multirow_spec(one, 4, CFG, tile={"warps": 4})
+    cands, rejected = space.multirow_candidates(one, 4, CFG)
+    assert rejected > 0 and {s.warps for s in cands} == {8, 16}
+
+
 def test_multirow_entry_holds_beside_its_single_row_kernel(tmp_store, capsys):
     """An m-row entry is used with the m = 1 kernel it was tuned beside; none: the default re-tiling without a
     notice; tuned beside another m = 1 kernel: stale, default, one notice."""

@@ -340,7 +340,7 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
         raise SpecError(f"{spec.family}: an m-row kernel may choose only {', '.join(MULTIROW_TILE)}; "
                         f"{', '.join(sorted(set(tile) - set(MULTIROW_TILE)))} would change a row's order")
     out = dataclasses.replace(spec, m=m, **tile)
-    if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem:   # else validate() below names the problem
+    if 1 < m <= MAX_M and out.xs_bytes <= gpu.max_smem and out.tgroups:   # else validate() names the problem
         # More warps, but not for split-K: ptxas holds a 256-thread split-K cluster kernel to 128 registers
         # (spills at m = 4).
         if not tile and spec.splitk == 1:
