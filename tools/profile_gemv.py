@@ -24,17 +24,9 @@ import numpy as np
 from nanoqwen import NanoqwenError, codegen, config
 from nanoqwen.codegen.gpu import GpuProfile, ctas_an_sm_holds
 from nanoqwen.codegen.kernels import gemv
-from nanoqwen.codegen.spec import SpecError, parse_params
+from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.tuning import space
-
-
-def _fields(text: str, allowed: set[str]) -> dict:
-    """FIELD=VALUE,... -> typed tile fields, each one of `allowed` (SpecError otherwise)."""
-    fields = gemv.GemvInt4Spec.typed_params(parse_params(filter(None, text.split(","))))
-    if other := sorted(set(fields) - allowed):
-        raise SpecError(f"{', '.join(other)}: not a tile field (the tile: {', '.join(sorted(allowed))})")
-    return fields
 
 
 def tile_spec(arg: str, cfg: config.Config) -> gemv.GemvInt4Spec:
@@ -44,16 +36,14 @@ def tile_spec(arg: str, cfg: config.Config) -> gemv.GemvInt4Spec:
     role, _, fields = single.partition(":")
     if role not in gemv.ROLES:
         raise NanoqwenError(f"{arg!r}: unknown role {role!r} (known: {', '.join(gemv.ROLES)})")
-    # what nanoqwen-tune sweeps, and the weight loads' L2 fetch size (no tile has won with it yet)
-    tile_fields = {name for s in space.tile_spaces() for name in s} | {"l2_fetch"}
     try:
-        spec = gemv.role_spec(role, QWEN25_7B, cfg, **_fields(fields, tile_fields))
+        spec = gemv.role_spec(role, QWEN25_7B, cfg, **space.parse_tile(fields, space.tile_fields()))
         if not multi:
             return spec
         m, _, mfields = multi.partition(":")
         if not m.isdigit():
             raise SpecError(f"@{m}: the row count is a number (e.g. @8)")
-        return gemv.multirow_spec(spec, int(m), cfg, tile=_fields(mfields, set(gemv.MULTIROW_TILE)) or None)
+        return gemv.multirow_spec(spec, int(m), cfg, tile=space.parse_tile(mfields, set(gemv.MULTIROW_TILE)) or None)
     except SpecError as e:
         raise NanoqwenError(f"{arg!r}: {e}") from None
 

@@ -11,7 +11,7 @@ import yaml
 from .. import NanoqwenError, config, paths
 from ..codegen.gpu import DEFAULT, GpuProfile
 from ..codegen.kernels import attention, gemv
-from ..codegen.spec import SpecError
+from ..codegen.spec import SpecError, parse_params
 from ..dims import ModelDims
 
 
@@ -55,6 +55,21 @@ def tile_spaces(names: tuple[str, ...] = TILE_SPACES) -> list[dict[str, list]]:
         raise SpaceError(f"no m = 1 search space {', '.join(unknown) or '(none named)'} "
                          f"(known: {', '.join(TILE_SPACES)})")
     return [spaces()[name] for name in names if name in spaces()]
+
+
+def tile_fields() -> set[str]:
+    """The fields of an m = 1 GEMV tile: what nanoqwen-tune sweeps, and the weight loads' L2 fetch size (no tile
+    has won with it yet)."""
+    return {name for s in tile_spaces() for name in s} | {"l2_fetch"}
+
+
+def parse_tile(text: str, allowed: set[str]) -> dict:
+    """FIELD=VALUE,... (values as `nanoqwen-gen --param` takes them) -> typed GEMV tile fields, each one of
+    `allowed` (SpecError otherwise)."""
+    fields = gemv.GemvInt4Spec.typed_params(parse_params(filter(None, text.split(","))))
+    if other := sorted(set(fields) - allowed):
+        raise SpecError(f"{', '.join(other)}: not a tile field (the tile: {', '.join(sorted(allowed))})")
+    return fields
 
 
 def _product(spaces_: list[dict[str, list]], default, make) -> tuple[list, int]:
