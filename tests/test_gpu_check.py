@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # fails for FAIL_FILE.
 FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
-  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*|*nanoqwen.cli.tune*) exit 0;;
+  *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
+  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*) exit 0;;
   *"cache_root()"*) echo "$CACHE"; exit 0;;
   *tools/test_lanes.py*) exec "$REAL_PY" "$@";;
 esac
@@ -127,6 +128,14 @@ def test_the_tuner_stage_returns_every_judged_candidate(tmp_path):
     assert _gpu_check(tmp_path, CACHE=str(cache), GPU_CHECK_TESTS="none", GPU_CHECK_TUNE="10") == 0
     assert (out / "tune-progress.json").read_text() == progress.read_text()
     assert (out / "tuned.json").read_bytes() == (ROOT / "tune" / "tuned.json").read_bytes()
+
+
+def test_the_tuner_runs_before_the_tests(tmp_path):
+    """GPU_CHECK_TUNE with tests: the tuner writes this tree's tuned.json first, so the tests (and a gate's
+    A/B after them) run over the tree with its new entries, the one that lands."""
+    rc, t, _ = _run(tmp_path, GPU_CHECK_TUNE="10", CACHE=str(tmp_path / "cache"))
+    assert rc == 0 and set(t) == {"tune", SLOW, TIMING, *OTHERS}
+    assert t["tune"]["start"] < min(t[f]["start"] for f in [SLOW, TIMING, *OTHERS])
 
 
 def test_steps_run_here_then_in_each_ab_tree_then_here_again(tmp_path):

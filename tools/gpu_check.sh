@@ -13,7 +13,9 @@
 #                      of the newest results/gpu-tests-*.log (tools/test_lanes.py)
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning); tuned.json and tune-progress.json
-#                      (every candidate judged: us, % of copy, or why it was discarded)
+#                      (every candidate judged: us, % of copy, or why it was discarded). It runs before the tests
+#                      and writes this tree's tune/tuned.json, so a gate in the same call tests and A/Bs the tree
+#                      with the new entries: commit the returned tuned.json as it is
 #   GPU_CHECK_TUNE_COMPILE seconds a sweep may spend compiling its roles' candidates (default 100)
 #   GPU_CHECK_TUNE_ROWS multirow buckets to tune (default 1: the decode GEMVs; e.g. 8 or 2,4,8: the m-row kernels
 #                      beside this GPU's m = 1 kernels, `nanoqwen-tune --rows`)
@@ -115,6 +117,22 @@ test_files() {  # test_files PYTEST_LOG FILE...: one pytest process a file, its 
     done
     return $status
 }
+if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then   # before the tests: a gate in the same call tests and times the tuned tree
+    # The budget is judging time; each (bucket, family) sweep also compiles its candidates first, outside the
+    # budget: GPU_CHECK_TUNE_COMPILE seconds a sweep, all its roles (default 100: ~80 s on the H100 machine for
+    # the four m-row GEMV roles at m <= 8; the 16-row gate_up alone needs ~270, its kernels compile at ~15 a
+    # minute)
+    sweeps=$(( $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_ROWS:-1}" | grep -c .) \
+               * $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_KERNELS:-gemv}" | grep -c .) ))
+    stage tune $(( GPU_CHECK_TUNE + ${GPU_CHECK_TUNE_COMPILE:-100} * sweeps + 20 )) \
+        $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE" --rows "${GPU_CHECK_TUNE_ROWS:-1}" \
+        --roles "${GPU_CHECK_TUNE_ROLES:-qkv,o_proj,gate_up,down}" --kernels "${GPU_CHECK_TUNE_KERNELS:-gemv}" \
+        ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}
+    cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
+    # every candidate judged on this machine (us, % of copy, or why it was discarded), not only the winners
+    cat "$($PY -c 'from nanoqwen import config; print(config.cache_root())')"/tune/progress/*.json \
+        > "$OUT/tune-progress.json" 2>/dev/null
+fi
 if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     files=(${GPU_CHECK_TESTS:-tests/gpu/test_*.py})
     if [ -n "${GPU_CHECK_LANES:-}" ] && [ -z "${GPU_CHECK_PARALLEL_TESTS:-}" ]; then   # balanced by past times
@@ -146,22 +164,6 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
         cat "${logs[$i]}" >> "$OUT/pytest.log" && rm -f "${logs[$i]}"
     done
     test_files "$OUT/pytest.log" "${serial[@]}"
-fi
-if [ "${GPU_CHECK_TUNE:-0}" != 0 ]; then
-    # The budget is judging time; each (bucket, family) sweep also compiles its candidates first, outside the
-    # budget: GPU_CHECK_TUNE_COMPILE seconds a sweep, all its roles (default 100: ~80 s on the H100 machine for
-    # the four m-row GEMV roles at m <= 8; the 16-row gate_up alone needs ~270, its kernels compile at ~15 a
-    # minute)
-    sweeps=$(( $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_ROWS:-1}" | grep -c .) \
-               * $(tr ',' '\n' <<< "${GPU_CHECK_TUNE_KERNELS:-gemv}" | grep -c .) ))
-    stage tune $(( GPU_CHECK_TUNE + ${GPU_CHECK_TUNE_COMPILE:-100} * sweeps + 20 )) \
-        $PY -m nanoqwen.cli.tune --repo --budget "$GPU_CHECK_TUNE" --rows "${GPU_CHECK_TUNE_ROWS:-1}" \
-        --roles "${GPU_CHECK_TUNE_ROLES:-qkv,o_proj,gate_up,down}" --kernels "${GPU_CHECK_TUNE_KERNELS:-gemv}" \
-        ${GPU_CHECK_TUNE_SPACES:+--spaces "$GPU_CHECK_TUNE_SPACES"}
-    cp tune/tuned.json "$OUT/tuned.json" 2>/dev/null
-    # every candidate judged on this machine (us, % of copy, or why it was discarded), not only the winners
-    cat "$($PY -c 'from nanoqwen import config; print(config.cache_root())')"/tune/progress/*.json \
-        > "$OUT/tune-progress.json" 2>/dev/null
 fi
 [ "${GPU_CHECK_KERNELS:-1}" != 0 ] && stage kernels 150 $PY -m nanoqwen.cli.main bench --kernels --out "$OUT/kernels.json"
 [ "${GPU_CHECK_MODEL:-0}" = 1 ] && stage model 200 $PY -m nanoqwen.cli.main bench 7b --no-baseline \
