@@ -12,13 +12,12 @@ the variant take the config's default tiles (the decode A/B does not run them)."
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 
 from nanoqwen import NanoqwenError, config
-from nanoqwen.codegen import tuned
+from nanoqwen.codegen import tuned, tuned_store
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B
@@ -37,7 +36,7 @@ def make_variant(base: Path, dest: Path, role: str, fields: str, gpu: str = H100
     if not store.is_file():
         raise NanoqwenError(f"{base}: no tune/tuned.json (a tree of tools/ab_tree.sh?)")
     cfg = config.default()
-    data = json.loads(store.read_text())
+    data = tuned_store.load(store)
     key = tuned.entry_key(role, QWEN25_7B, cfg, gpu)
     try:
         params = data["entries"].get(key, {}).get("params", {}) | space.parse_tile(fields, space.tile_fields())
@@ -49,7 +48,7 @@ def make_variant(base: Path, dest: Path, role: str, fields: str, gpu: str = H100
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(base, dest)
-    (dest / "tune" / "tuned.json").write_text(json.dumps(data | {"entries": entries}, indent=1, sort_keys=True) + "\n")
+    tuned_store.write(data | {"entries": entries}, dest / "tune" / "tuned.json")
     return entry
 
 

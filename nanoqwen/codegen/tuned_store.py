@@ -64,14 +64,20 @@ def load(path: Path | None = None) -> dict:
 
 
 def merge_write(entries: dict, meta: dict, path: Path | None = None) -> None:
-    """Merge `entries` into the file (default: the user's; newer wins per key), atomically: temp file, fsync,
-    os.replace."""
+    """Merge `entries` into the file (default: the user's; newer wins per key), atomically (``write``)."""
     path = path or user_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = load(path)
     data["entries"].update(entries)
     data["meta"] = {**data["meta"], **meta, "format": FORMAT,
                     "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    write(data, path)
+    merged_entries.cache_clear()
+
+
+def write(data: dict, path: Path) -> None:
+    """``data`` ({"meta", "entries"}, as ``load`` gives it) as the file at ``path``, atomically: temp file,
+    fsync, os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -83,7 +89,6 @@ def merge_write(entries: dict, meta: dict, path: Path | None = None) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    merged_entries.cache_clear()
 
 
 @cache
