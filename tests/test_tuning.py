@@ -177,6 +177,31 @@ def test_cli_writes_the_user_file_unless_told_repo(argv, where, tmp_store, monke
     assert seen["out"] == want
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_compile_only_builds_what_the_sweep_would_and_counts_failures(m, tmp_store, monkeypatch, capsys):
+    from nanoqwen import codegen
+    from nanoqwen.tuning import sweep
+    cfg, gpu = config.default(), "NVIDIA H100 80GB HBM3"
+    built = []
+
+    def fake_build_many(specs, return_exceptions, **kw):   # real compiles: tests/test_kernels_compile.py
+        built.append(list(specs))
+        return [SpecError("too many registers") if i == 1 else object() for i in range(len(specs))]
+    monkeypatch.setattr(codegen, "build_many", fake_build_many)
+    assert tune_cli.main(["--compile-only", gpu, "--roles", "o_proj", "--rows", str(m)]) == 1
+    one, cands = sweep.candidates("o_proj", QWEN25_7B, cfg, gpu, m)
+    assert built == [cands + [one] * (m > 1)] and len(cands) > 10
+    out = capsys.readouterr().out
+    assert f"{cands[1].uri}: compile error: too many registers" in out
+    assert f"{len(built[0]) - 1}/{len(built[0])} kernels in the cache for {gpu}" in out
+
+
+def test_compile_only_is_the_gemv_sweep_only(capsys):
+    assert tune_cli.main(["--compile-only", "NVIDIA H200", "--kernels", "attention"]) == 1
+    err = capsys.readouterr().err
+    assert "the GEMV sweep only" in err and err.count("\n") == 1
+
+
 def test_cli_repo_without_a_checkout_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(paths, "checkout", lambda: None)
     assert tune_cli.main(["--repo"]) == 1

@@ -1,10 +1,11 @@
 """`nanoqwen-tune [--model FILE|DIR|7b] [--kernels gemv,attention] [--roles ...] [--rows M,...] [--budget SECONDS]
-[--repo]`: sweep the INT4 GEMV tile parameters (gemv) and the decode attention's fields (attention) of
-tune/spaces.yaml per shape on this GPU and store the best in the user's tuned results (<cache
+[--repo] [--compile-only GPU]`: sweep the INT4 GEMV tile parameters (gemv) and the decode attention's fields
+(attention) of tune/spaces.yaml per shape on this GPU and store the best in the user's tuned results (<cache
 root>/tune/tuned.json; --repo: the source checkout's tune/tuned.json, which ships with the package), which the
 decoder and `nanoqwen bench --kernels` read at startup. --rows sweeps the multi-row step's kernels of those
 buckets instead (gemv_int4_rows, attention_decode_rows), beside the m = 1 kernels this GPU has: each
-candidate's rows must be bitwise the m = 1 kernel's. The budget is shared by the families and buckets."""
+candidate's rows must be bitwise the m = 1 kernel's. The budget is shared by the families and buckets.
+--compile-only fills the kernel cache with a GEMV sweep's candidates on the CPU, for a device to judge later."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def _main(argv) -> int:
                    help="stop judging new candidates after this long (resume later: progress is kept)")
     p.add_argument("--repo", action="store_true",
                    help="write the source checkout's tune/tuned.json (developers) instead of the user's file")
+    p.add_argument("--compile-only", metavar="GPU",
+                   help="compile the GEMV sweep's candidates for GPU (its name as the tuned results key it, e.g. "
+                        "'NVIDIA H100 80GB HBM3') into the kernel cache and stop: no device needed. A device whose "
+                        "NVRTC has this version finds them in a copy of that cache")
     args = p.parse_args(argv)
     families = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in families if k not in KERNELS]
@@ -61,6 +66,11 @@ def _main(argv) -> int:
 
     def log(line):
         print(line, flush=True)
+    if args.compile_only:
+        if families != ["gemv"]:
+            raise NanoqwenError("--compile-only: the GEMV sweep only (--kernels gemv)")
+        failed = sum(sweep.compile_only(dims, cfg, roles, args.compile_only, m, spaces, log=log) for m in ms)
+        return 1 if failed else 0
     summary = []
     if "gemv" in families:
         summary += [r for m in ms for r in sweep.tune(dims, cfg, roles, budget, log=log, out=out, m=m, spaces=spaces)]

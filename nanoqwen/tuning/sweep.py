@@ -19,7 +19,7 @@ import numpy as np
 from .. import codegen, config
 from ..bench import kernels as kbench
 from ..bench.gemv_case import GemvCase, bits, rel_err
-from ..codegen import tuned
+from ..codegen import nvrtc, tuned
 from ..codegen import tuned_store as store
 from ..codegen.kernels import gemv
 from ..dims import ModelDims
@@ -60,10 +60,7 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
     tol = cfg.validation.gemv_rel_tol
     summary, entries = [], {}
     for role in roles:
-        one = tuned.role_spec(role, dims, cfg, gpu)   # now: the m = 1 kernel (m > 1: whose rows candidates keep)
-        cands, ruled_out = (space.gemv_candidates(role, dims, cfg, spaces, current=one) if m == 1
-                            else space.multirow_candidates(one, m, cfg))
-        log(f"{role}{f' m={m}' if m > 1 else ''}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
+        one, cands = candidates(role, dims, cfg, gpu, m, spaces, log)
         built = codegen.build_many(cands + [one] * (m > 1), progress=codegen.ProgressLine(), return_exceptions=True)
         # candidates differ only in tile parameters: one set of buffers (and one numpy answer) serves all
         case = GemvCase(cands[0], rng, kbench.rotating_copies(cands[0], cfg.bench.l2_rotate_bytes))
@@ -119,6 +116,36 @@ def tune(dims: ModelDims, cfg: config.Config, roles, budget_s: float, log=print,
         store.merge_write(entries, {"written_by": "nanoqwen-tune", "gpu": gpu, "commit": kbench.git_commit()},
                           out)
     return summary
+
+
+def candidates(role: str, dims: ModelDims, cfg: config.Config, gpu: str, m: int,
+               spaces: tuple[str, ...] = space.TILE_SPACES, log=print) -> tuple[gemv.GemvInt4Spec, list]:
+    """(the m = 1 kernel `gpu` runs now, the candidates a sweep of `role` compiles and judges): m = 1 over the
+    search spaces `spaces`, m > 1 the m-row kernels whose rows keep that m = 1 kernel's order."""
+    one = tuned.role_spec(role, dims, cfg, gpu)
+    cands, ruled_out = (space.gemv_candidates(role, dims, cfg, spaces, current=one) if m == 1
+                        else space.multirow_candidates(one, m, cfg))
+    log(f"{role}{f' m={m}' if m > 1 else ''}: {len(cands)} candidates ({ruled_out} ruled out by the spec constraints)")
+    return one, cands
+
+
+def compile_only(dims: ModelDims, cfg: config.Config, roles, gpu: str, m: int = 1,
+                 spaces: tuple[str, ...] = space.TILE_SPACES, log=print) -> int:
+    """Compile what ``tune`` would compile for `gpu` into the kernel cache, on this machine's CPUs and without
+    a device; returns the number that failed to compile. A device whose NVRTC has the same version finds them
+    there (the cache key holds it) and spends its time judging. The m = 1 sweep's spill check still compiles
+    the re-tilings of the few fastest tiles it looks at."""
+    specs = []
+    for role in roles:
+        one, cands = candidates(role, dims, cfg, gpu, m, spaces, log)
+        specs += cands + [one] * (m > 1)
+    built = codegen.build_many(specs, progress=codegen.ProgressLine(), return_exceptions=True)
+    failed = [(s, b) for s, b in zip(specs, built) if isinstance(b, Exception)]
+    for spec, b in failed:
+        log(f"  {spec.uri}: compile error: {str(b).splitlines()[0]}")
+    log(f"{len(specs) - len(failed)}/{len(specs)} kernels in the cache for {gpu} (NVRTC {nvrtc.version()}, "
+        f"{config.cache_root()})")
+    return len(failed)
 
 
 def progress_key(built) -> str:
