@@ -83,7 +83,7 @@ if [ -f .llama.tar.xz ] && [ ! -d .llama ]; then   # llama.cpp's build, carried 
 fi
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
 export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built
-if [ -d .kcache ]; then   # cubins compiled off the device (nanoqwen-tune --compile-only, NVRTC of the same version)
+if [ -d .kcache ]; then   # cubins compiled off the device (tools/kcache.sh: NVRTC of the same version)
     mkdir -p "$NANOQWEN_CACHE_DIR" && cp -rn .kcache/. "$NANOQWEN_CACHE_DIR/"
 fi
 LOG="$OUT/run.log"
