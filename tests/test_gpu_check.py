@@ -5,6 +5,7 @@ by side."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from _tools import tool
 
 test_lanes = tool("test_lanes")
+compile_cost = tool("compile_cost")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
-  *"-m pip "*|*nanoqwen.cli.gen*|*"import sys, numpy"*) exit 0;;
+  *nanoqwen.cli.gen*) [ -n "${NEW_ENTRY:-}" ] && echo '{"family": "embed", "compile_s": 1.5}' > "$NEW_ENTRY"; exit 0;;
+  *"-m pip "*|*"import sys, numpy"*) exit 0;;
   *"cache_root()"*) echo "$CACHE"; exit 0;;
-  *tools/test_lanes.py*) exec "$REAL_PY" "$@";;
+  *tools/test_lanes.py*|*tools/compile_cost.py*) exec "$REAL_PY" "$@";;
 esac
 f="${@: -1}"
 echo "start $f $(date +%s.%N)" >> "$RUNS"
@@ -156,3 +159,33 @@ def test_the_timeline_times_the_bucket_it_is_given(tmp_path, rows):
     (the stand-in logs the command's last argument: the bucket)."""
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_TIMELINE="1", GPU_CHECK_TIMELINE_ROWS=rows) == 0
     assert _started(tmp_path) == [rows or "8"]
+
+
+def test_compile_cost_sums_the_entries_written_since(tmp_path):
+    """Cubin entries (<arch>/*.json) written at or after the time, by family; older, torn and non-cubin
+    files (the tuner's results) are left out."""
+    arch = tmp_path / "sm_90a"
+    arch.mkdir()
+    for name, family, s, mtime in [("a", "gemv_int4", 2.0, 200), ("b", "gemv_int4", 0.5, 300),
+                                   ("c", "embed", 0.25, 250), ("old", "gemv_int4", 9.0, 50)]:
+        p = arch / f"{name}.json"
+        p.write_text(json.dumps({"family": family, "compile_s": s}))
+        os.utime(p, (mtime, mtime))
+    (arch / "torn.json").write_text("{")
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "tuned.json").write_text(json.dumps({"meta": {}, "entries": {}}))
+    assert compile_cost.cost(tmp_path, 100) == {"gemv_int4": (2, 2.5), "embed": (1, 0.25)}
+    assert compile_cost.line(compile_cost.cost(tmp_path, 100)) == (
+        "NVRTC during this check: 3 kernels, 3 s summed over workers (gemv_int4 2 in 2 s, embed 1 in 0 s)")
+
+
+def test_the_check_ends_with_what_nvrtc_cost_it(tmp_path):
+    """The stand-in compile stage writes one cache entry; one written before the check is not counted."""
+    cache = tmp_path / "cache" / "sm_90a"
+    cache.mkdir(parents=True)
+    (cache / "before.json").write_text(json.dumps({"family": "gemv_int4", "compile_s": 7.0}))
+    os.utime(cache / "before.json", (1, 1))
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", NANOQWEN_CACHE_DIR=str(tmp_path / "cache"),
+                      NEW_ENTRY=str(cache / "new.json")) == 0
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert "NVRTC during this check: 1 kernel, 2 s summed over workers (embed 1 in 2 s)" in log

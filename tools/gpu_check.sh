@@ -84,7 +84,7 @@ fi
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
 export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built
 if [ -d .kcache ]; then   # cubins compiled off the device (tools/kcache.sh: NVRTC of the same version)
-    mkdir -p "$NANOQWEN_CACHE_DIR" && cp -rn .kcache/. "$NANOQWEN_CACHE_DIR/"
+    mkdir -p "$NANOQWEN_CACHE_DIR" && cp -rnp .kcache/. "$NANOQWEN_CACHE_DIR/"   # -p: not counted as compiled here
 fi
 LOG="$OUT/run.log"
 exec > >(tee -a "$LOG") 2>&1
@@ -107,6 +107,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outc
     [ "$rc" = 0 ] || status=1
 }
 
+check_start=$(date +%s)   # tools/compile_cost.py: what NVRTC cost this check
 # compile every kernel of the 7B and the test models first, in parallel on all cores
 stage compile 180 sh -c "$PY -m nanoqwen.cli.gen compile --model 7b >/dev/null"   # quiet, but the stage line shows
 test_files() {  # test_files PYTEST_LOG FILE...: one pytest process a file, its log appended to PYTEST_LOG
@@ -204,5 +205,6 @@ if [ -n "${GPU_CHECK_AB:-}" ]; then
     for t in ${GPU_CHECK_AB_ALSO:-}; do ab_args+=(--also "$t"); done
     stage ab "${GPU_CHECK_AB_TIMEOUT:-560}" $PY tools/ab_bench.py "$GPU_CHECK_AB" "${ab_args[@]}"
 fi
+$PY tools/compile_cost.py "$NANOQWEN_CACHE_DIR" "$check_start" || true
 grep -a -E "^== " "$LOG"
 exit $status
