@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from ._gpu_util import fresh_rng
+from ._gpu_util import fill_kv, fresh_rng, one_step
 from nanoqwen.bench import timeline
 
 pytestmark = pytest.mark.gpu
@@ -29,33 +29,12 @@ CONTEXT = 40   # crosses two page boundaries (16, 32) and ends on a tail
 REPS = 20
 
 
-def _fill(session, tokens) -> None:
-    """K/V for positions 0..len-1: the tokens fed one decode step each."""
-    sh, dec = session.state, session.decoder
-    session.runner.reserve(len(tokens) + 1)
-    sh.reset(int(tokens[0]))
-    for i, t in enumerate(tokens):
-        dec.step(i, feed=int(t) if i else None)
-    sh.drain()
-    sh.check_errors()
-
-
-def _one_step(session, dec, token: int, pos: int):
-    """One graph replay of ``dec`` from state (token, pos): (logits, token, device state after)."""
-    sh = session.state
-    dec.reset(token, pos=pos, step=pos)
-    dec.step(pos, read_token=True, read_logits=True)
-    sh.wait_step(pos)
-    sh.check_errors()
-    return sh.logits(), int(sh.tok_out[pos]), sh.read_state()
-
-
 @pytest.fixture(scope="module")
 def setup(sessions):
     session = sessions("small-py")
     rng = fresh_rng()
     tokens = rng.integers(0, session.dims.vocab, CONTEXT).tolist()
-    _fill(session, tokens)
+    fill_kv(session, tokens)
     timed = timeline.timed_decoder(session.decoder)
     pos = CONTEXT - 1
     timed.reset(tokens[-1], pos=pos, step=pos)
@@ -68,8 +47,8 @@ def setup(sessions):
 
 def test_timed_step_computes_the_untimed_steps_bits(setup):
     session, timed, token, pos = setup
-    plain = _one_step(session, session.decoder, token, pos)
-    probed = _one_step(session, timed, token, pos)
+    plain = one_step(session, session.decoder, token, pos)
+    probed = one_step(session, timed, token, pos)
     assert np.array_equal(plain[0], probed[0]) and plain[1] == probed[1] and np.array_equal(plain[2], probed[2])
     assert np.isfinite(plain[0]).all()
 
@@ -102,9 +81,9 @@ def test_own_time_and_gap_fit_in_the_span_within_the_graph_step(setup):
 
 def test_the_sessions_decoder_still_runs_after_the_timeline(setup):
     session, _timed, token, pos = setup
-    before = _one_step(session, session.decoder, token, pos)
+    before = one_step(session, session.decoder, token, pos)
     timeline.measure(session.decoder, CONTEXT, reps=2, token=token)
-    after = _one_step(session, session.decoder, token, pos)
+    after = one_step(session, session.decoder, token, pos)
     assert np.array_equal(before[0], after[0]) and before[1] == after[1]
 
 

@@ -1,0 +1,32 @@
+"""The chain judge (bench/chain.py) on the GPU, on the trained small test model: each variant's decoder is
+built beside the session's, every label gets one step time a round, and the session's own decoder gives the
+same logits and token afterwards (the variants ran over its buffers and freed only their own)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ._gpu_util import fill_kv, fresh_rng, one_step
+from nanoqwen import config
+from nanoqwen.bench import chain
+from nanoqwen.runtime import driver
+
+pytestmark = pytest.mark.gpu
+
+CONTEXT = 40
+
+
+def test_variants_replay_beside_the_tuned_step(sessions):
+    session = sessions("small-py")
+    tokens = fresh_rng().integers(0, session.dims.vocab, CONTEXT).tolist()
+    fill_kv(session, tokens)
+    specs = chain.variant_specs("o_proj", ["warps=2", "lanes=8"], session.dims, config.default(),
+                                driver.device().props.name)
+    assert len({s.uri for s in specs.values()}) == 3
+    before = one_step(session, session.decoder, tokens[-1], CONTEXT - 1)
+    times = chain.judge(session, "o_proj", specs, rounds=2, reps=3, context=CONTEXT, log=lambda m: None)
+    assert list(times) == list(specs)
+    assert all(len(t) == 2 and all(0 < ms < 1e3 for ms in t) for t in times.values())
+    after = one_step(session, session.decoder, tokens[-1], CONTEXT - 1)
+    assert np.array_equal(before[0], after[0]) and before[1] == after[1]

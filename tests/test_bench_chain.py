@@ -1,0 +1,53 @@
+"""CPU tests of the chain judge (bench/chain.py; its GPU run: tests/gpu/test_bench_chain.py): the variants are
+the tuned tile with the named fields over it, bad ones refused with one line before any device work; the rounds
+interleave with the base first; the summary is the median of the rounds against the base's."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoqwen import NanoqwenError, config
+from nanoqwen.bench import chain
+from nanoqwen.codegen import tuned
+from nanoqwen.dims import QWEN25_7B
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_variants_are_the_tuned_tile_with_fields_over_it():
+    cfg = config.default()
+    specs = chain.variant_specs("gate_up", ["prefetch=1", "warps=8,l2_fetch=256"], QWEN25_7B, cfg, H100)
+    base = tuned.role_spec("gate_up", QWEN25_7B, cfg, H100)
+    assert list(specs) == [chain.BASE, "prefetch=1", "warps=8,l2_fetch=256"] and specs[chain.BASE] == base
+    assert specs["prefetch=1"].prefetch and not base.prefetch
+    assert (specs["warps=8,l2_fetch=256"].warps, specs["warps=8,l2_fetch=256"].l2_fetch) == (8, 256)
+    for spec in specs.values():   # everything else is the tuned tile's
+        assert (spec.lanes, spec.rows, spec.splitk, spec.mma, spec.norm) == (base.lanes, base.rows, base.splitk,
+                                                                             base.mma, base.norm)
+
+
+@pytest.mark.parametrize("role,variant,match", [("lm", "warps=8", "unknown role"),
+                                                ("down", "bogus=1", "unknown parameter"),
+                                                ("down", "lanes=3", "down:lanes=3")])
+def test_bad_variants_are_one_line_errors(role, variant, match):
+    with pytest.raises(NanoqwenError, match=match):
+        chain.variant_specs(role, [variant], QWEN25_7B, config.default(), H100)
+
+
+def test_the_cli_refuses_bad_input_before_the_device(capsys):
+    assert chain.main(["down", "bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chain: down:bogus=1") and err.count("\n") == 1
+    assert chain.main(["down", "warps=8", "--rounds", "0"]) == 2
+
+
+def test_rounds_interleave_with_the_base_first():
+    assert chain.rounds_order(["t", "a", "b", "c"], 4) == ["t", "a", "b", "c", "t", "b", "c", "a",
+                                                           "t", "c", "a", "b", "t", "a", "b", "c"]
+    assert chain.rounds_order(["t"], 2) == ["t", "t"]
+
+
+def test_summary_is_the_median_against_the_base():
+    res = chain.summarize({chain.BASE: [2.0, 2.1, 1.9], "x": [1.9, 1.8, 2.2]})
+    assert res[chain.BASE]["graph_step_ms"] == 2.0 and res[chain.BASE]["vs_tuned_pct"] == 0.0
+    assert res["x"]["graph_step_ms"] == 1.9 and res["x"]["vs_tuned_pct"] == pytest.approx(-5.0)
