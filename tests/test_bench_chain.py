@@ -10,6 +10,7 @@ from nanoqwen import NanoqwenError, config
 from nanoqwen.bench import chain
 from nanoqwen.codegen import tuned
 from nanoqwen.dims import QWEN25_7B
+from nanoqwen.tuning import sweep
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -39,6 +40,7 @@ def test_the_cli_refuses_bad_input_before_the_device(capsys):
     err = capsys.readouterr().err
     assert err.startswith("chain: down:bogus=1") and err.count("\n") == 1
     assert chain.main(["down", "warps=8", "--rounds", "0"]) == 2
+    assert chain.main(["down"]) == 2   # neither a variant nor --top
 
 
 def test_rounds_interleave_with_the_base_first():
@@ -51,3 +53,17 @@ def test_summary_is_the_median_against_the_base():
     res = chain.summarize({chain.BASE: [2.0, 2.1, 1.9], "x": [1.9, 1.8, 2.2]})
     assert res[chain.BASE]["graph_step_ms"] == 2.0 and res[chain.BASE]["vs_tuned_pct"] == 0.0
     assert res["x"]["graph_step_ms"] == 1.9 and res["x"]["vs_tuned_pct"] == pytest.approx(-5.0)
+
+
+def test_top_variants_are_the_tuners_fastest_other_tiles():
+    """From nanoqwen-tune's progress (cubin name -> result), the k fastest judged tiles other than the tuned one,
+    each as the fields that turn the tuned tile into it; wrong, unjudged and spilling ones are passed over."""
+    cfg = config.default()
+    one, cands = sweep.candidates("gate_up", QWEN25_7B, cfg, H100, 1, log=lambda line: None)
+    others = [s for s in cands if s != one][:6]
+    done = {f"{s.uri}-0123456789abcdef.cubin": {"status": "ok", "us": 30.0 - i} for i, s in enumerate(others)}
+    done[f"{one.uri}-0123456789abcdef.cubin"] = {"status": "ok", "us": 1.0}   # the tuned tile is the base
+    done[f"{others[5].uri}-0123456789abcdef.cubin"] = {"status": "wrong", "rel_err": 1.0}
+    variants = chain.top_variants("gate_up", 3, QWEN25_7B, cfg, H100, done)
+    specs = chain.variant_specs("gate_up", variants, QWEN25_7B, cfg, H100)
+    assert [s.uri for s in specs.values()] == [one.uri, others[4].uri, others[3].uri, others[2].uri]

@@ -6,7 +6,10 @@ replays of that GEMV alone); in the step the same kernel follows other kernels, 
 not be the step's. This judges speed only: a variant that wins is stored and gated like any tuned entry
 (its rows need not be the tuned tile's bits).
 
-    python -m nanoqwen.bench.chain gate_up prefetch=1 unroll=4 [--rounds 5] [--json FILE]"""
+    python -m nanoqwen.bench.chain gate_up prefetch=1 unroll=4 [--top K] [--rounds 5] [--json FILE]
+
+--top K adds the K fastest tiles of the role's m = 1 sweep that nanoqwen-tune judged on this GPU (its progress
+under the cache root): its back-to-back table as the prefilter, the step as the final word."""
 
 from __future__ import annotations
 
@@ -45,6 +48,26 @@ def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.C
         except SpecError as e:
             raise NanoqwenError(f"{role}:{fields}: {e}") from None
     return specs
+
+
+def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: str, done: dict) -> list[str]:
+    """The ``k`` fastest back-to-back tiles of ``role``'s m = 1 sweep on ``gpu`` that nanoqwen-tune judged
+    (``done``: its progress, cubin name -> result), other than the tuned one, each as the FIELD=VALUE,... that
+    turns the tuned tile into it: the tuner's table as the prefilter, this judge as the final word."""
+    from ..tuning import sweep
+    one, cands = sweep.candidates(role, dims, cfg, gpu, 1, log=lambda line: None)
+    base = space.tile_params(one) | {"l2_fetch": one.l2_fetch}
+    timed = []
+    for spec in cands:
+        res = next((r for name, r in done.items() if name.startswith(spec.uri + "-")), None)
+        if spec != one and res is not None and res["status"] == "ok":
+            timed.append((res["us"], spec))
+    variants = []
+    for _us, spec in sorted(timed, key=lambda t: t[0])[:k]:
+        tile = space.tile_params(spec) | {"l2_fetch": spec.l2_fetch}
+        variants.append(",".join(f"{f}={int(v) if isinstance(v, bool) else v}" for f, v in tile.items()
+                                 if v != base[f]))
+    return variants
 
 
 def rounds_order(labels: list[str], rounds: int) -> list[str]:
@@ -100,12 +123,17 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
     return times
 
 
-def run(role: str, variants: list[str], rounds: int, reps: int, log=None) -> dict:
+def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, log=None) -> dict:
     from ..runtime import driver
+    from ..tuning.sweep import Progress
     from ..runtime.session import CudaSession
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
     props = driver.device().props
+    if top:
+        variants = variants + top_variants(role, top, QWEN25_7B, cfg, props.name, Progress(props.name).done)
+    if not variants:
+        raise NanoqwenError(f"{role}: no variants (and no tile of nanoqwen-tune's progress for --top)")
     specs = variant_specs(role, variants, QWEN25_7B, cfg, props.name)   # a bad variant fails before the load
     path = protocol.resolve_model("7b", cfg, log)
     session = CudaSession(path, PROMPT + GEN + 1, log=log)
@@ -127,17 +155,20 @@ def run(role: str, variants: list[str], rounds: int, reps: int, log=None) -> dic
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.chain", description=__doc__.split("\n")[0])
     p.add_argument("role", help=f"the GEMV whose tile varies: {', '.join(gemv.ROLES)}")
-    p.add_argument("variants", nargs="+", metavar="FIELD=VALUE,...", help="tile fields over the tuned tile")
+    p.add_argument("variants", nargs="*", metavar="FIELD=VALUE,...", help="tile fields over the tuned tile")
+    p.add_argument("--top", type=int, default=0, metavar="K",
+                   help="also the K fastest tiles nanoqwen-tune judged back to back on this GPU (its progress)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reps", type=int, default=20, help="gated graph replays a round (default 20)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.reps < 1:
-        print("chain: --rounds and --reps must be at least 1", file=sys.stderr)
+    if args.rounds < 1 or args.reps < 1 or args.top < 0 or not (args.variants or args.top):
+        print("chain: --rounds and --reps must be at least 1, --top at least 0, and some variant named or --top",
+              file=sys.stderr)
         return 2
     try:
         variant_specs(args.role, args.variants, QWEN25_7B, config.default(), None)   # bad input: before the device
-        res = run(args.role, args.variants, args.rounds, args.reps)
+        res = run(args.role, args.variants, args.rounds, args.reps, args.top)
     except NanoqwenError as e:
         print(f"chain: {e}", file=sys.stderr)
         return 2
