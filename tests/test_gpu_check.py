@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
-  *nanoqwen.bench.chain*) echo "chain $*" >> "$RUNS"; exit 0;;
+  *nanoqwen.tuning.chain*) echo "chain $*" >> "$RUNS"; exit 0;;
   *nanoqwen.cli.gen*) [ -n "${NEW_ENTRY:-}" ] && echo '{"family": "embed", "compile_s": 1.5}' > "$NEW_ENTRY"; exit 0;;
   *"-m pip "*|*"import sys, numpy"*) exit 0;;
   *"cache_root()"*) echo "$CACHE"; exit 0;;
@@ -193,7 +193,7 @@ def test_the_check_ends_with_what_nvrtc_cost_it(tmp_path):
 
 
 def test_the_chain_judge_gets_its_role_and_variants(tmp_path):
-    """GPU_CHECK_CHAIN="ROLE FIELDS...": bench/chain.py with them as its arguments, chain.json in $OUT."""
+    """GPU_CHECK_CHAIN="ROLE FIELDS...": tuning/chain.py with them as its arguments, chain.json in $OUT."""
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_CHAIN="gate_up prefetch=1 unroll=4") == 0
     assert (tmp_path / "runs.txt").read_text() == (
-        f"chain -m nanoqwen.bench.chain gate_up prefetch=1 unroll=4 --json {tmp_path / 'out' / 'chain.json'}\n")
+        f"chain -m nanoqwen.tuning.chain gate_up prefetch=1 unroll=4 --json {tmp_path / 'out' / 'chain.json'}\n")

@@ -51,7 +51,7 @@
 #                      multi-row step times alone (steps.json), and with GPU_CHECK_STEPS_AB=TREE... (.ab/COMMIT,
 #                      as below; several, space-separated) the same in each tree, then here again
 #                      (steps-COMMIT.json, steps-again.json): an A/B of the m-row kernels in ~3 minutes
-#   GPU_CHECK_CHAIN    "ROLE FIELDS..." judges GEMV tile variants inside the decode step (bench/chain.py: each
+#   GPU_CHECK_CHAIN    "ROLE FIELDS..." judges GEMV tile variants inside the decode step (tuning/chain.py: each
 #                      FIELD=VALUE,... over ROLE's tuned m = 1 tile, swapped into the captured step of one
 #                      session, graph steps in interleaved rounds; chain.json); e.g. "gate_up prefetch=1 unroll=4"
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
@@ -199,7 +199,7 @@ if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then each A/B tr
     [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-again 150 $PY -m nanoqwen.bench.speculate --steps \
         --json "$OUT/steps-again.json"
 fi
-[ -n "${GPU_CHECK_CHAIN:-}" ] && stage chain 300 $PY -m nanoqwen.bench.chain $GPU_CHECK_CHAIN --json "$OUT/chain.json"
+[ -n "${GPU_CHECK_CHAIN:-}" ] && stage chain 300 $PY -m nanoqwen.tuning.chain $GPU_CHECK_CHAIN --json "$OUT/chain.json"
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LLAMA:-0}" = 1 ] && stage llamacpp 540 $PY -m nanoqwen.bench.llamacpp --json "$OUT/llamacpp.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"

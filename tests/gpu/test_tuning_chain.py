@@ -1,4 +1,4 @@
-"""The chain judge (bench/chain.py) on the GPU, on the trained small test model: each variant's decoder is
+"""The chain judge (tuning/chain.py) on the GPU, on the trained small test model: each variant's decoder is
 built beside the session's, every label gets one step time a round, and the session's own decoder gives the
 same logits and token afterwards (the variants ran over its buffers and freed only their own)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from ._gpu_util import fill_kv, fresh_rng, one_step
 from nanoqwen import config
-from nanoqwen.bench import chain
+from nanoqwen.tuning import chain
 from nanoqwen.runtime import driver
 
 pytestmark = pytest.mark.gpu

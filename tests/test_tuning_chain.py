@@ -1,4 +1,4 @@
-"""CPU tests of the chain judge (bench/chain.py; its GPU run: tests/gpu/test_bench_chain.py): the variants are
+"""CPU tests of the chain judge (tuning/chain.py; its GPU run: tests/gpu/test_tuning_chain.py): the variants are
 the tuned tile with the named fields over it, bad ones refused with one line before any device work; the rounds
 interleave with the base first; the summary is the median of the rounds against the base's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanoqwen import NanoqwenError, config
-from nanoqwen.bench import chain
+from nanoqwen.tuning import chain
 from nanoqwen.codegen import tuned
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.tuning import sweep

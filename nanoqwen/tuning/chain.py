@@ -6,7 +6,7 @@ replays of that GEMV alone); in the step the same kernel follows other kernels, 
 not be the step's. This judges speed only: a variant that wins is stored and gated like any tuned entry
 (its rows need not be the tuned tile's bits).
 
-    python -m nanoqwen.bench.chain gate_up prefetch=1 unroll=4 [--top K] [--rounds 5] [--json FILE]
+    python -m nanoqwen.tuning.chain gate_up prefetch=1 unroll=4 [--top K] [--rounds 5] [--json FILE]
 
 --top K adds the K fastest tiles of the role's m = 1 sweep that nanoqwen-tune judged on this GPU (its progress
 under the cache root): its back-to-back table as the prefilter, the step as the final word."""
@@ -26,9 +26,9 @@ from ..codegen import tuned
 from ..codegen.kernels import gemv
 from ..codegen.spec import SpecError
 from ..dims import QWEN25_7B, ModelDims
-from ..tuning import space
-from . import protocol
-from .kernels import git_commit
+from ..bench import protocol
+from ..bench.kernels import git_commit
+from . import space
 
 PROMPT, GEN = 512, 128   # the bench protocol's request; the steps are timed at its mean decode context
 BASE = "tuned"
@@ -54,7 +54,7 @@ def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: st
     """The ``k`` fastest back-to-back tiles of ``role``'s m = 1 sweep on ``gpu`` that nanoqwen-tune judged
     (``done``: its progress, cubin name -> result), other than the tuned one, each as the FIELD=VALUE,... that
     turns the tuned tile into it: the tuner's table as the prefilter, this judge as the final word."""
-    from ..tuning import sweep
+    from . import sweep
     one, cands = sweep.candidates(role, dims, cfg, gpu, 1, log=lambda line: None)
     base = space.tile_params(one) | {"l2_fetch": one.l2_fetch}
     timed = []
@@ -93,7 +93,7 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
     from .. import codegen
     from ..runtime import driver
     from ..runtime.decoder import Decoder
-    from .itl import StepTimer
+    from ..bench.itl import StepTimer
     dec, pos = session.decoder, context - 1
     if dec.kernels[role][0].uri != specs[BASE].uri:
         raise NanoqwenError(f"{role}: the session runs {dec.kernels[role][0].uri}, not the tuned {specs[BASE].uri}")
@@ -125,7 +125,7 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
 
 def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, log=None) -> dict:
     from ..runtime import driver
-    from ..tuning.sweep import Progress
+    from .sweep import Progress
     from ..runtime.session import CudaSession
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
@@ -145,7 +145,7 @@ def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, lo
         times = judge(session, role, specs, rounds, reps, context, log)
     finally:
         session.close()
-    return {"kind": "nanoqwen-bench-chain", "schema": 1, "commit": git_commit(),
+    return {"kind": "nanoqwen-tune-chain", "schema": 1, "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": {"name": props.name, "driver_version": props.driver_version},
             "role": role, "context": context, "rounds": rounds, "reps": reps,
@@ -153,7 +153,7 @@ def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, lo
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.chain", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nanoqwen.tuning.chain", description=__doc__.split("\n")[0])
     p.add_argument("role", help=f"the GEMV whose tile varies: {', '.join(gemv.ROLES)}")
     p.add_argument("variants", nargs="*", metavar="FIELD=VALUE,...", help="tile fields over the tuned tile")
     p.add_argument("--top", type=int, default=0, metavar="K",
