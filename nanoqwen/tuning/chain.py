@@ -34,13 +34,18 @@ PROMPT, GEN = 512, 128   # the bench protocol's request; the steps are timed at 
 BASE = "tuned"
 
 
+def _tile(spec: gemv.GemvInt4Spec) -> dict:
+    """The m = 1 tile of ``spec``: what the tuner stores, and the L2 fetch size (space.tile_fields)."""
+    return space.tile_params(spec) | {"l2_fetch": spec.l2_fetch}
+
+
 def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.Config, gpu: str | None) -> dict:
     """label -> m = 1 spec of ``role`` on ``gpu`` (None: the config's tiles): BASE, the kernel decode runs now,
     then each FIELD=VALUE,... over its tile (NanoqwenError for a bad field, value or tile)."""
     if role not in gemv.ROLES:
         raise NanoqwenError(f"unknown role {role!r} (known: {', '.join(gemv.ROLES)})")
     one = tuned.role_spec(role, dims, cfg, gpu)
-    tile = space.tile_params(one) | {"l2_fetch": one.l2_fetch}
+    tile = _tile(one)
     specs = {BASE: one}
     for fields in variants:
         try:
@@ -56,18 +61,12 @@ def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: st
     turns the tuned tile into it: the tuner's table as the prefilter, this judge as the final word."""
     from . import sweep
     one, cands = sweep.candidates(role, dims, cfg, gpu, 1, log=lambda line: None)
-    base = space.tile_params(one) | {"l2_fetch": one.l2_fetch}
-    timed = []
-    for spec in cands:
-        res = next((r for name, r in done.items() if name.startswith(spec.uri + "-")), None)
-        if spec != one and res is not None and res["status"] == "ok":
-            timed.append((res["us"], spec))
-    variants = []
-    for _us, spec in sorted(timed, key=lambda t: t[0])[:k]:
-        tile = space.tile_params(spec) | {"l2_fetch": spec.l2_fetch}
-        variants.append(",".join(f"{f}={int(v) if isinstance(v, bool) else v}" for f, v in tile.items()
-                                 if v != base[f]))
-    return variants
+    by_uri = {name.rsplit("-", 1)[0]: res for name, res in done.items()}   # cubin name: <uri>-<key16>.cubin
+    timed = sorted((by_uri[s.uri]["us"], i) for i, s in enumerate(cands)
+                   if s != one and by_uri.get(s.uri, {}).get("status") == "ok")
+    base = _tile(one)
+    return [",".join(f"{f}={int(v) if isinstance(v, bool) else v}" for f, v in _tile(cands[i]).items() if v != base[f])
+            for _us, i in timed[:k]]
 
 
 def rounds_order(labels: list[str], rounds: int) -> list[str]:
