@@ -140,14 +140,15 @@ def test_embed_compiles_clean(built, name):
 def test_multirow_specs():
     """m rows: m in the URI, the per-row arithmetic fields of m = 1 kept, no decode state taken (the M tokens
     go to tokens_out[0..m)), partials per row, x in dynamic shared memory, the grid fitted to residency,
-    multirow.lm_head_rows_per_warp vocab rows per warp while m x rows stays within 16 chain pairs."""
+    multirow.lm_head_rows_per_warp vocab rows per warp, with fewer loads in flight (of m = 1's chains) where
+    the accumulators of 16 rows need the registers."""
     for m in CFG.multirow.buckets:
         spec = lm_head.model_spec(QWEN25_7B, CFG, m=m)
         assert spec.m == m and f"_m{m}_" in spec.uri and f"constexpr int M = {m};" in codegen.render(spec)
-        assert (spec.hidden, spec.vocab, spec.eps, spec.warps, spec.unroll) == (
-            LM7B.hidden, LM7B.vocab, LM7B.eps, LM7B.warps, LM7B.unroll)
-        assert spec.rows_per_warp == (LM7B.rows_per_warp if m == 1 else
-                                      min(CFG.multirow.lm_head_rows_per_warp, 16 // m) or 1)
+        assert (spec.hidden, spec.vocab, spec.eps, spec.warps) == (LM7B.hidden, LM7B.vocab, LM7B.eps, LM7B.warps)
+        assert lm_head.chains(spec.hidden, spec.unroll) == lm_head.chains(LM7B.hidden, LM7B.unroll)
+        assert (spec.rows_per_warp, spec.unroll) == ((LM7B.rows_per_warp, LM7B.unroll) if m == 1 else
+                                                     (CFG.multirow.lm_head_rows_per_warp, 10 if m == 16 else 14))
         assert spec.partials_bytes == 8 * spec.ctas * m
         names = [n for n, _ in spec.signature]
         assert ("state" in names) == (m == 1)
@@ -157,6 +158,11 @@ def test_multirow_specs():
     assert lm_head.model_spec(QWEN25_7B, CFG) == LM7B
     assert lm_head.multirow_specs_for_model(QWEN25_7B, CFG) == [
         lm_head.model_spec(QWEN25_7B, CFG, m=m) for m in CFG.multirow.buckets if m > 1]
+
+
+def test_chains_pin_a_rows_summation_order():
+    assert lm_head.chains(3584, 14) == (0, 1) * 7 == lm_head.chains(3584, 10) == lm_head.chains(3584, 2)
+    assert lm_head.chains(3584, 7) != lm_head.chains(3584, 14)   # the second batch would start on chain 0 at j = 7
 
 
 @pytest.mark.parametrize("change,match", [

@@ -45,13 +45,21 @@ ERR_TOKENS_OUT_FULL = 4   # *err bit: state[2] >= tokens_cap (tokens_out not wri
 
 _SMEM_STATIC_MAX = 48 * 1024
 _SMEM_MARGIN = 4096   # static shared memory beside x (per-row warp sums and maxima) + the 1 KB sm_90 reservation
-_ACC_PAIRS = 16   # m x rows_per_warp chain pairs per lane at m > 1: 7B at 16 x 2 holds 255 registers and spills
+# Per lane at m > 1: accumulators (2 m rows_per_warp) + weights in flight (4 rows_per_warp unroll) registers.
+# 7B's 8 x 2 x 14 and 16 x 2 x 10 compile to 236 registers; 16 x 2 x 14 spills.
+_LIVE_REGS = 144
 MAX_M = config.MAX_ROWS   # activation rows of the multi-row step
 
 
 def lane_vecs(hidden: int) -> int:
     """16-byte vectors of one row each lane loads: ceil(hidden / 8 / 32)."""
     return -(-(hidden // 8) // 32)
+
+
+def chains(hidden: int, unroll: int) -> tuple[int, ...]:
+    """The accumulator chain each of a lane's vectors of a row goes into (acc[u & 1], u its place in a batch of
+    ``unroll``): with the lanes, a row's summation order, which an m-row kernel keeps from m = 1."""
+    return tuple((j % unroll) & 1 for j in range(lane_vecs(hidden)))
 
 
 @dataclass(frozen=True)
@@ -134,18 +142,21 @@ def model_spec(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT, m
     """The lm_head + argmax over m rows. m > 1 keeps every per-row arithmetic choice of m = 1 (a vocab row's
     lanes, chains and warp sum depend on neither the grid nor rows_per_warp; the argmax key is order-free),
     reduces up to multirow.lm_head_rows_per_warp vocab rows per warp (each x read from shared memory serves
-    them all: m x reads per weight is what holds the m-row kernel back; at most _ACC_PAIRS accumulator pairs
-    per lane) and fits the grid to the residency its staged x allows (7B: 14 KB per row), so that every CTA
-    is resident at once."""
+    them all: m x reads per weight is what holds the m-row kernel back), with fewer loads in flight where the
+    accumulators need their registers (_LIVE_REGS; an unroll whose chains are m = 1's), and fits the grid to
+    the residency its staged x allows (7B: 14 KB per row), so that every CTA is resident at once."""
     lm = cfg.lm_head
     spec = LmHeadArgmaxSpec(hidden=dims.hidden, vocab=dims.vocab, eps=float(dims.rms_eps), warps=lm.warps,
                             rows_per_warp=lm.rows_per_warp, unroll=min(lm.unroll, lane_vecs(dims.hidden)),
                             ctas=lm.ctas_per_sm * gpu.sm_count, m=m)
     if m > 1:
         resident = max(1, gpu.max_smem // (spec.xs_bytes + _SMEM_MARGIN))
-        rows = max(r for r in range(1, cfg.multirow.lm_head_rows_per_warp + 1)
-                   if dims.vocab % r == 0 and (r == 1 or m * r <= _ACC_PAIRS))
-        spec = dataclasses.replace(spec, ctas=min(lm.ctas_per_sm, resident) * gpu.sm_count, rows_per_warp=rows)
+        rows, unroll = max((r, u) for r in range(1, cfg.multirow.lm_head_rows_per_warp + 1) if dims.vocab % r == 0
+                           for u in range(1, spec.unroll + 1)
+                           if chains(dims.hidden, u) == chains(dims.hidden, spec.unroll)
+                           and (2 * m * r + 4 * r * u <= _LIVE_REGS or (r, u) == (1, spec.unroll)))
+        spec = dataclasses.replace(spec, ctas=min(lm.ctas_per_sm, resident) * gpu.sm_count, rows_per_warp=rows,
+                                   unroll=unroll)
     spec.validate()
     return spec
 
