@@ -14,6 +14,21 @@ NQ_DEVICE float softmax_ref(float m2) { return m2 == NQ_NEG_INF ? 0.f : m2; }
 // Merges the parts of one query head: weight of part j is exp2(m_j - max_j m_j).
 NQ_DEVICE float part_weight(float m_part, float m_ref) { return exp2f(m_part - m_ref); }
 
+// Merged output of one query head (one dim) from `splits` partials: split s's (m2, l) at ml[s * ml_step],
+// its acc at acc[s * acc_step]. At least one split must have seen a key (l > 0).
+NQ_DEVICE float merge_partials(const float* ml, const float* acc, int splits, int ml_step, int acc_step) {
+    float m = NQ_NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[s * ml_step]);
+    const float ref = softmax_ref(m);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float w = part_weight(ml[s * ml_step], ref);
+        num = fmaf(acc[s * acc_step], w, num);
+        den = fmaf(ml[s * ml_step + 1], w, den);
+    }
+    return num / den;
+}
+
 // Eight fp16 (one 16-byte shared-memory vector) -> eight fp32.
 NQ_DEVICE void f16x8_to_f32(uint4 v, float (&f)[8]) {
     f[0] = f16x2_lo(v.x); f[1] = f16x2_hi(v.x); f[2] = f16x2_lo(v.y); f[3] = f16x2_hi(v.y);

@@ -193,17 +193,9 @@ class AttentionCombineSpec(KernelSpec):
             raise SpecError(f"attention_combine.head_dim must be a multiple of 32 in 32..1024, got {self.head_dim}")
         if self.heads <= 0 or self.splits <= 0:
             raise SpecError(f"attention_combine: heads and splits must be positive, got {self.heads}, {self.splits}")
-        if self.acc_bytes > DEFAULT.max_smem - 1024:
-            raise SpecError(f"attention_combine: a head's {self.splits} x {self.head_dim} partials need "
-                            f"{self.acc_bytes} bytes of shared memory > {DEFAULT.max_smem - 1024}")
-
-    @property
-    def acc_bytes(self) -> int:
-        """Shared memory of one head's acc partials (fp32 [splits][head_dim]): the bulk copy's size."""
-        return 4 * self.splits * self.head_dim
 
     def launch(self) -> Launch:
-        return Launch(grid=(self.heads, self.m, 1), block=(self.head_dim, 1, 1), smem=self.acc_bytes)
+        return Launch(grid=(self.heads, self.m, 1), block=(self.head_dim, 1, 1))
 
 
 @dataclass(frozen=True)
