@@ -187,6 +187,30 @@ def test_key_covers_source_headers_options_version_arch():
     assert len(keys) == 6
 
 
+def test_headers_are_the_sources_include_closure(tmp_path, monkeypatch):
+    """Only the headers a kernel includes, directly or through another header, reach NVRTC and the cache key:
+    an edit to another header (attention.cuh under a GEMV) keeps the GEMV's cubin and a .kcache compiled
+    elsewhere valid."""
+    src = '#include "mma.cuh"\n  # include "rmsnorm.cuh"\n// #include "attention.cuh" is not an include\n'
+    assert list(nvrtc.headers(src)) == ["async_copy.cuh", "common.cuh", "int4.cuh", "mma.cuh", "rmsnorm.cuh"]
+    assert nvrtc.headers("no includes") == {}
+    spec = CopySpec(unroll=2)
+    first = codegen.build(spec)
+    copy_headers = nvrtc.headers(codegen.render(spec))
+    tdir = tmp_path / "templates"
+    tdir.mkdir()
+    for p in nvrtc.templates_dir().iterdir():
+        (tdir / p.name).write_text(p.read_text())
+    monkeypatch.setattr(nvrtc, "templates_dir", lambda: tdir)
+
+    def edit(name):
+        (tdir / name).write_text("// edited\n" + (tdir / name).read_text())
+    edit(next(n for n in ("attention.cuh", "wgmma.cuh") if n not in copy_headers))
+    assert codegen.build(spec).cached and codegen.build(spec).path == first.path
+    edit("common.cuh")
+    assert not codegen.build(spec).cached   # an included header still covers the key
+
+
 def test_unwritable_cache_warns_and_still_builds(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -60,14 +60,27 @@ def version() -> str:
 def full_options(arch: str, options) -> list[str]:
     """The exact NVRTC command line: architecture, config options, and ptxas -v so that spill counts
     land in the log (the most reliable per-function spill source). No include path: the project's
-    headers are handed to NVRTC in memory (``headers()``), so the options do not depend on where the
+    headers are handed to NVRTC in memory (``headers(source)``), so the options do not depend on where the
     checkout lives and the cache key covers the header text."""
     return [f"-arch={arch}", *options, "--ptxas-options=-v"]
 
 
-def headers() -> dict[str, str]:
-    """templates/*.cuh by include name: the only headers a kernel may include (no CUDA headers)."""
-    return {p.name: p.read_text() for p in sorted(templates_dir().glob("*.cuh"))}
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def headers(source: str) -> dict[str, str]:
+    """The templates/*.cuh that ``source`` includes, directly or through another header, by include name: the
+    only headers a kernel may include (no CUDA headers). Only these reach NVRTC and the cache key, so an edit to
+    a header a kernel does not include keeps its cubin cached here and in a cache compiled elsewhere (.kcache)."""
+    known = {p.name: p for p in templates_dir().glob("*.cuh")}
+    found: dict[str, str] = {}
+    todo = _INCLUDE.findall(source)
+    while todo:
+        name = todo.pop()
+        if name in known and name not in found:   # an unknown name is left to NVRTC's error
+            found[name] = known[name].read_text()
+            todo += _INCLUDE.findall(found[name])
+    return dict(sorted(found.items()))
 
 
 def _fetch(nvrtc, prog, size_fn, get_fn, what: str) -> bytes:
@@ -84,10 +97,10 @@ def _fetch(nvrtc, prog, size_fn, get_fn, what: str) -> bytes:
 def compile(source: str, name: str, arch: str, options, ptx: bool = False, spec_repr: str | None = None,
             hdrs: dict[str, str] | None = None) -> Compiled:
     """Compile ``source`` (file ``name`` in messages) for ``arch`` with ``full_options(arch, options)``;
-    ``hdrs`` defaults to ``headers()`` (pass the dict the cache key was computed from)."""
+    ``hdrs`` defaults to ``headers(source)`` (pass the dict the cache key was computed from)."""
     nvrtc = _nvrtc()
     opts = full_options(arch, options)
-    hdrs = headers() if hdrs is None else hdrs
+    hdrs = headers(source) if hdrs is None else hdrs
     prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), len(hdrs),
                                                   [h.encode() for h in hdrs.values()],
                                                   [n.encode() for n in hdrs]), "nvrtcCreateProgram")
