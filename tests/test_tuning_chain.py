@@ -10,6 +10,7 @@ from nanoqwen import NanoqwenError, config
 from nanoqwen.tuning import chain
 from nanoqwen.codegen import tuned
 from nanoqwen.dims import QWEN25_7B
+from nanoqwen.runtime import decoder
 from nanoqwen.tuning import sweep
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -67,3 +68,37 @@ def test_top_variants_are_the_tuners_fastest_other_tiles():
     variants = chain.top_variants("gate_up", 3, QWEN25_7B, cfg, H100, done)
     specs = chain.variant_specs("gate_up", variants, QWEN25_7B, cfg, H100)
     assert [s.uri for s in specs.values()] == [one.uri, others[4].uri, others[3].uri, others[2].uri]
+
+
+def test_row_variants_are_the_tuned_m_row_tile_with_fields_over_it():
+    """--rows M: the variants vary the M-row kernel's tile over the tuned m = 1 kernel (its rows keep that
+    kernel's order), each as the step runs it (gate_up with its RMSNorm apart, config multirow.norm_apart)."""
+    cfg = config.default()
+    specs = chain.variant_specs("gate_up", ["rows=1", "warps=8,ctas_per_sm=2"], QWEN25_7B, cfg, H100, 8)
+    step = decoder.step_specs(QWEN25_7B, cfg, H100, m=8)
+    one = tuned.role_spec("gate_up", QWEN25_7B, cfg, H100)
+    assert specs[chain.BASE] == step["gate_up"] and all(s.m == 8 and not s.norm for s in specs.values())
+    assert (specs["rows=1"].rows, specs["warps=8,ctas_per_sm=2"].warps, specs["warps=8,ctas_per_sm=2"].ctas_per_sm
+            ) == (1, 8, 2)
+    for spec in specs.values():   # the m = 1 kernel's order: lanes, splitk and the fields the row keeps
+        assert (spec.lanes, spec.splitk, spec.mma, spec.n, spec.k) == (one.lanes, one.splitk, one.mma, one.n, one.k)
+    down = chain.variant_specs("down", ["rows=2"], QWEN25_7B, cfg, H100, 8)
+    assert down[chain.BASE] == step["down"] and down["rows=2"].rows == 2
+
+
+@pytest.mark.parametrize("variant,m,match", [("lanes=8", 8, "not a tile field"), ("rows=2", 3, "not a multirow bucket")])
+def test_bad_row_variants_are_one_line_errors(variant, m, match):
+    with pytest.raises(NanoqwenError, match=match):
+        chain.variant_specs("down", [variant], QWEN25_7B, config.default(), H100, m)
+    assert chain.main(["down", variant, "--rows", str(m)]) == 2
+
+
+def test_top_row_variants_come_from_the_m_row_sweep():
+    cfg = config.default()
+    _one, cands = sweep.candidates("down", QWEN25_7B, cfg, H100, 8, log=lambda line: None)
+    base = tuned.role_spec("down", QWEN25_7B, cfg, H100, 8)
+    others = [s for s in cands if s != base][:3]
+    done = {f"{s.uri}-0123456789abcdef.cubin": {"status": "ok", "us": 40.0 - i} for i, s in enumerate(others)}
+    variants = chain.top_variants("down", 2, QWEN25_7B, cfg, H100, done, 8)
+    specs = chain.variant_specs("down", variants, QWEN25_7B, cfg, H100, 8)
+    assert [s.uri for s in specs.values()] == [base.uri, others[2].uri, others[1].uri]

@@ -53,7 +53,8 @@
 #                      (steps-COMMIT.json, steps-again.json): an A/B of the m-row kernels in ~3 minutes
 #   GPU_CHECK_CHAIN    "ROLE FIELDS..." judges GEMV tile variants inside the decode step (tuning/chain.py: each
 #                      FIELD=VALUE,... over ROLE's tuned m = 1 tile, swapped into the captured step of one
-#                      session, graph steps in interleaved rounds; chain.json); e.g. "gate_up prefetch=1 unroll=4"
+#                      session, graph steps in interleaved rounds; chain.json); e.g. "gate_up prefetch=1 unroll=4";
+#                      "down --rows 8 rows=2 warps=8": the 8-row kernel's tile in the 8-row step
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE

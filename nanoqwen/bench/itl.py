@@ -101,6 +101,24 @@ def _groups(sequence, per_launch: bool) -> list[tuple[str, list[int]]]:
     return groups
 
 
+def replay_seconds(launch, stream, reps: int) -> float:
+    """Seconds per call of ``launch()`` (a graph replay) over ``reps`` back-to-back calls between two events,
+    after one call that loads and warms what it needs."""
+    a, b = driver.Event(), driver.Event()
+    try:
+        launch()
+        stream.synchronize()
+        a.record(stream)
+        for _ in range(reps):
+            launch()
+        b.record(stream)
+        b.synchronize()
+        return driver.Event.elapsed_ms(a, b) * 1e-3 / reps
+    finally:
+        a.close()
+        b.close()
+
+
 class StepTimer:
     """Gated, event-timed replays of one decoder step at a fixed decode state."""
 

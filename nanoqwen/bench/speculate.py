@@ -38,6 +38,7 @@ from ..runtime import driver
 from ..runtime.drafters import AdaptiveK, DraftModel, PromptLookup
 from ..runtime.prefill import by_steps
 from . import protocol
+from .itl import replay_seconds
 from .kernels import git_commit
 
 CONTEXT, PROMPT, GEN = 1024, 512, 128
@@ -75,26 +76,13 @@ def step_times(session, reps: int = 50) -> dict:
     """Seconds per replay of the decode graph and of each multi-row graph, at positions 512..."""
     stream, dec, rows = session.state.stream, session.decoder, session.rows
     session.runner.reserve(PROMPT + reps + rows.m + 1)
-    a, b = driver.Event(), driver.Event()
-
-    def per_replay(launch) -> float:
-        launch()
-        stream.synchronize()
-        a.record(stream)
-        for _ in range(reps):
-            launch()
-        b.record(stream)
-        b.synchronize()
-        return driver.Event.elapsed_ms(a, b) * 1e-3 / reps
     try:
         dec.reset(0, PROMPT, PROMPT)
-        out = {1: per_replay(lambda: dec.graph.launch(stream))}
+        out = {1: replay_seconds(lambda: dec.graph.launch(stream), stream, reps)}
         for m in rows.buckets:
             rows.load([0] * m, list(range(PROMPT, PROMPT + m)))   # the reserved sequence's table, offsets 0
-            out[m] = per_replay(lambda m=m: rows.graphs[m].launch(stream))
+            out[m] = replay_seconds(lambda m=m: rows.graphs[m].launch(stream), stream, reps)
     finally:
-        a.close()
-        b.close()
         session.runner.cache.clear()
     return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
 
