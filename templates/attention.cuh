@@ -7,14 +7,6 @@
 
 #define NQ_NEG_INF (__int_as_float(0xff800000))
 
-// Two floats of an activation the previous kernel wrote (the decode attention's q_rot): common.cuh's ld_act
-// load (.cg), kept here beside its one user so that no GEMV's cached cubin depends on it.
-NQ_DEVICE float2 ld_act_f2(const float* p) {
-    float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0,%1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
-    return v;
-}
-
 // The reference the exponents are taken against: m2 itself, or 0 while nothing was seen (m2 = -inf),
 // so that exp2(-inf - ref) = 0 instead of exp2(-inf + inf) = NaN.
 NQ_DEVICE float softmax_ref(float m2) { return m2 == NQ_NEG_INF ? 0.f : m2; }
