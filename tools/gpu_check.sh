@@ -96,8 +96,10 @@ exec > >(tee -a "$LOG") 2>&1
 date -u
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,pstate \
     --format=csv 2>&1 || echo "nvidia-smi not available"
-$PY -c "import sys, numpy, cuda.bindings; from cuda.bindings import nvrtc; print(sys.version.split()[0], \
-'numpy', numpy.__version__, 'cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc.nvrtcVersion()[1:])"
+# the CPUs too: NVRTC compiles one kernel a worker thread, a worker per CPU (config codegen.compile_workers)
+$PY -c "import sys, numpy, os, cuda.bindings; from cuda.bindings import nvrtc; print(sys.version.split()[0], \
+'numpy', numpy.__version__, 'cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc.nvrtcVersion()[1:], \
+'cpus', os.cpu_count(), 'usable', len(os.sched_getaffinity(0)))"
 
 TIMING_TESTS="tests/gpu/test_bench.py tests/gpu/test_timeline.py"   # never beside another lane
 status=0
