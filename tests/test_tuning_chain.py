@@ -86,7 +86,8 @@ def test_row_variants_are_the_tuned_m_row_tile_with_fields_over_it():
     assert down[chain.BASE] == step["down"] and down["rows=2"].rows == 2
 
 
-@pytest.mark.parametrize("variant,m,match", [("lanes=8", 8, "not a tile field"), ("rows=2", 3, "not a multirow bucket")])
+@pytest.mark.parametrize("variant,m,match", [("lanes=8", 8, "not a tile field"),
+                                             ("rows=2", 3, "not a multirow bucket")])
 def test_bad_row_variants_are_one_line_errors(variant, m, match):
     with pytest.raises(NanoqwenError, match=match):
         chain.variant_specs("down", [variant], QWEN25_7B, config.default(), H100, m)

@@ -68,7 +68,8 @@ def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.C
     return {label: gemv.norm_apart(spec) if apart else spec for label, spec in specs.items()}
 
 
-def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: str, done: dict, m: int = 1) -> list[str]:
+def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: str, done: dict,
+                 m: int = 1) -> list[str]:
     """The ``k`` fastest back-to-back tiles of ``role``'s sweep (m = 1, or m rows) on ``gpu`` that nanoqwen-tune
     judged (``done``: its progress, cubin name -> result), other than the tuned one, each as the FIELD=VALUE,...
     that turns the tuned tile into it: the tuner's table as the prefilter, this judge as the final word."""
@@ -136,7 +137,8 @@ class _DecodeStep:
         from ..runtime.decoder import Decoder
         dec, self.pos = session.decoder, context - 1
         self.own = fn is not None
-        self.dec = Decoder(dec.shared, dec.kernels | {role: (spec, fn)}, pdl=dec.pdl, bufs=dec.bufs) if self.own else dec
+        self.dec = (Decoder(dec.shared, dec.kernels | {role: (spec, fn)}, pdl=dec.pdl, bufs=dec.bufs) if self.own
+                    else dec)
         if self.own:
             self.dec.reset(0, pos=self.pos, step=self.pos)
             self.dec.launch_kernels()   # eager once: its modules load outside the capture
@@ -198,7 +200,8 @@ def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, m:
         list(session.generate(rng.integers(0, session.dims.vocab, size=PROMPT).tolist(), GEN + 1))   # K/V written
         context = PROMPT + GEN // 2
         step = "decode step" if m == 1 else f"{m}-row step"
-        log(f"{role}: {len(specs) - 1} variants beside the tuned tile in the {step}, {rounds} rounds at context {context}")
+        log(f"{role}: {len(specs) - 1} variants beside the tuned tile in the {step}, {rounds} rounds at context "
+            f"{context}")
         times = judge(session, role, specs, rounds, reps, context, log)
     finally:
         session.close()
