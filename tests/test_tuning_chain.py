@@ -92,6 +92,7 @@ def test_bad_row_variants_are_one_line_errors(variant, m, match):
     with pytest.raises(NanoqwenError, match=match):
         chain.variant_specs("down", [variant], QWEN25_7B, config.default(), H100, m)
     assert chain.main(["down", variant, "--rows", str(m)]) == 2
+    assert chain.main(["down", "--rows", str(m), variant]) == 2   # variants after the option, as gpu_check passes them
 
 
 def test_top_row_variants_come_from_the_m_row_sweep():

@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reps", type=int, default=20, help="gated graph replays a round (default 20)")
     p.add_argument("--json", type=Path, help="write the results here")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)   # variants may follow --rows M, as gpu_check's GPU_CHECK_CHAIN gives them
     if args.rounds < 1 or args.reps < 1 or args.top < 0 or not (args.variants or args.top):
         print("chain: --rounds and --reps must be at least 1, --top at least 0, and some variant named or --top",
               file=sys.stderr)
