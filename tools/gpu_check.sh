@@ -87,6 +87,9 @@ if [ -f .llama.tar.xz ] && [ ! -d .llama ]; then   # llama.cpp's build, carried 
 fi
 export NANOQWEN_CACHE_DIR=${NANOQWEN_CACHE_DIR:-/tmp/nanoqwen-kernel-cache}
 export NANOQWEN_TEST_CACHE_DIR=$NANOQWEN_CACHE_DIR   # the tests reuse the kernels the compile stage built
+if [ -f .kcache.tar.xz ] && [ ! -d .kcache ]; then   # the same, packed (a sweep's cubins pack ~12x under xz)
+    tar -xJf .kcache.tar.xz
+fi
 if [ -d .kcache ]; then   # cubins compiled off the device (tools/kcache.sh: NVRTC of the same version)
     mkdir -p "$NANOQWEN_CACHE_DIR" && cp -rnp .kcache/. "$NANOQWEN_CACHE_DIR/"   # -p: not counted as compiled here
 fi

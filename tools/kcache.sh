@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GEMV sweep's candidates compiled here, into .kcache/, for tools/gpu_check.sh to seed the device's kernel
-# cache with (carry [".kcache"]), so that the tuner's call spends its time judging. The cache key holds the
-# NVRTC version, so the compiler must be the device's (13.0): .venv13 has cuda-bindings 13 and NVRTC 13.0 from
-# PyPI beside the project's venv, which may have 12.
+# cache with (carry [".kcache"], or [".kcache.tar.xz"] past the carry's 64 MiB: `tar -cJf .kcache.tar.xz .kcache`),
+# so that the tuner's call spends its time judging. The cache key holds the NVRTC version, so the compiler must
+# be the device's (13.0): .venv13 has cuda-bindings 13 and NVRTC 13.0 from PyPI beside the project's venv, which
+# may have 12.
 #   bash tools/kcache.sh "NVIDIA H100 80GB HBM3" --rows 16 --roles down
 set -euo pipefail
 cd "$(dirname "$0")/.."
