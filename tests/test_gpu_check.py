@@ -27,6 +27,7 @@ FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
   *nanoqwen.tuning.chain*) echo "chain $*" >> "$RUNS"; exit 0;;
+  *tools/profile_gemv.py*) echo "$*" >> "$RUNS"; exit 0;;
   *nanoqwen.cli.gen*) [ -n "${NEW_ENTRY:-}" ] && echo '{"family": "embed", "compile_s": 1.5}' > "$NEW_ENTRY"; exit 0;;
   *"-m pip "*|*"import sys, numpy"*) exit 0;;
   *"cache_root()"*) echo "$CACHE"; exit 0;;
@@ -197,3 +198,17 @@ def test_the_chain_judge_gets_its_role_and_variants(tmp_path):
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_CHAIN="gate_up prefetch=1 unroll=4") == 0
     assert (tmp_path / "runs.txt").read_text() == (
         f"chain -m nanoqwen.tuning.chain gate_up prefetch=1 unroll=4 --json {tmp_path / 'out' / 'chain.json'}\n")
+
+
+def test_the_gemv_profile_times_the_tiles_then_profiles_them(tmp_path):
+    """GPU_CHECK_GEMV_PROFILE="TILE...": tools/profile_gemv.py --time over the tiles, then one launch of each under
+    Nsight Compute (a stand-in ncu on PATH), its report in $OUT/ncu.txt."""
+    ncu = tmp_path / "ncu"
+    ncu.write_text('#!/usr/bin/env bash\necho "ncu" >> "$RUNS"\n'   # its options, then the command it profiles
+                   'while [ "$1" != regex:gemv_int4 ]; do shift; done\nshift\nexec "$@"\n')
+    ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)
+    tiles = "down:splitk=4@4:rows=2 gate_up"
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_GEMV_PROFILE=tiles) == 0
+    assert (tmp_path / "runs.txt").read_text() == (
+        f"tools/profile_gemv.py --time {tiles}\nncu\ntools/profile_gemv.py --runs 1 {tiles}\n")
+    assert (tmp_path / "out" / "ncu.txt").exists()

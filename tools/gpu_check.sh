@@ -55,6 +55,10 @@
 #                      FIELD=VALUE,... over ROLE's tuned m = 1 tile, swapped into the captured step of one
 #                      session, graph steps in interleaved rounds; chain.json); e.g. "gate_up prefetch=1 unroll=4";
 #                      "down --rows 8 rows=2 warps=8": the 8-row kernel's tile in the 8-row step
+#   GPU_CHECK_GEMV_PROFILE "TILE..." times GEMV tiles back to back (tools/profile_gemv.py --time; TILE as it takes
+#                      them, e.g. "down:lanes=32,splitk=4@4:rows=2,warps=4,ctas_per_sm=3") and profiles one launch of
+#                      each with Nsight Compute where the machine has it (ncu.txt: speed of light, warp states,
+#                      occupancy, scheduler and instruction statistics)
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
@@ -206,6 +210,17 @@ if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then each A/B tr
         --json "$OUT/steps-again.json"
 fi
 [ -n "${GPU_CHECK_CHAIN:-}" ] && stage chain 300 $PY -m nanoqwen.tuning.chain $GPU_CHECK_CHAIN --json "$OUT/chain.json"
+if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then their Nsight Compute sections
+    stage gemv-time 200 $PY tools/profile_gemv.py --time $GPU_CHECK_GEMV_PROFILE
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -n "$ncu" ]; then
+        stage ncu 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section WarpStateStats \
+            --section Occupancy --section SchedulerStats --section InstructionStats --section LaunchStats \
+            -k regex:gemv_int4 $PY tools/profile_gemv.py --runs 1 $GPU_CHECK_GEMV_PROFILE > '$OUT/ncu.txt' 2>&1"
+    else
+        echo "== ncu: not found on this machine"
+    fi
+fi
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LLAMA:-0}" = 1 ] && stage llamacpp 540 $PY -m nanoqwen.bench.llamacpp --json "$OUT/llamacpp.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
