@@ -212,3 +212,13 @@ def test_the_gemv_profile_times_the_tiles_then_profiles_them(tmp_path):
     assert (tmp_path / "runs.txt").read_text() == (
         f"tools/profile_gemv.py --time {tiles}\nncu\ntools/profile_gemv.py --runs 1 {tiles}\n")
     assert (tmp_path / "out" / "ncu.txt").exists()
+
+
+def test_chain_judges_separated_by_semicolons_run_in_turn(tmp_path):
+    """GPU_CHECK_CHAIN="A; B": one judge each, the first's JSON chain.json, the second's chain-2.json."""
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none",
+                      GPU_CHECK_CHAIN="gate_up --rows 4 unroll=2; down --rows 4 prefetch=1,unroll=2") == 0
+    out = tmp_path / "out"
+    assert (tmp_path / "runs.txt").read_text() == (
+        f"chain -m nanoqwen.tuning.chain gate_up --rows 4 unroll=2 --json {out / 'chain.json'}\n"
+        f"chain -m nanoqwen.tuning.chain down --rows 4 prefetch=1,unroll=2 --json {out / 'chain-2.json'}\n")

@@ -54,7 +54,8 @@
 #   GPU_CHECK_CHAIN    "ROLE FIELDS..." judges GEMV tile variants inside the decode step (tuning/chain.py: each
 #                      FIELD=VALUE,... over ROLE's tuned m = 1 tile, swapped into the captured step of one
 #                      session, graph steps in interleaved rounds; chain.json); e.g. "gate_up prefetch=1 unroll=4";
-#                      "down --rows 8 rows=2 warps=8": the 8-row kernel's tile in the 8-row step
+#                      "down --rows 8 rows=2 warps=8": the 8-row kernel's tile in the 8-row step; several judges
+#                      in one call separated by ";" (chain.json, chain-2.json, ...)
 #   GPU_CHECK_GEMV_PROFILE "TILE..." times GEMV tiles back to back (tools/profile_gemv.py --time; TILE as it takes
 #                      them, e.g. "down:lanes=32,splitk=4@4:rows=2,warps=4,ctas_per_sm=3") and profiles one launch of
 #                      each with Nsight Compute where the machine has it (ncu.txt: speed of light, warp states,
@@ -209,7 +210,13 @@ if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then each A/B tr
     [ -n "${GPU_CHECK_STEPS_AB:-}" ] && stage steps-again 150 $PY -m nanoqwen.bench.speculate --steps \
         --json "$OUT/steps-again.json"
 fi
-[ -n "${GPU_CHECK_CHAIN:-}" ] && stage chain 300 $PY -m nanoqwen.tuning.chain $GPU_CHECK_CHAIN --json "$OUT/chain.json"
+if [ -n "${GPU_CHECK_CHAIN:-}" ]; then   # one judge a ";"-separated part: chain.json, chain-2.json, ...
+    IFS=';' read -ra judges <<< "$GPU_CHECK_CHAIN"
+    for i in "${!judges[@]}"; do
+        suffix=$([ "$i" = 0 ] || echo "-$(( i + 1 ))")
+        stage "chain$suffix" 300 $PY -m nanoqwen.tuning.chain ${judges[$i]} --json "$OUT/chain$suffix.json"
+    done
+fi
 if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then their Nsight Compute sections
     stage gemv-time 200 $PY tools/profile_gemv.py --time $GPU_CHECK_GEMV_PROFILE
     ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
