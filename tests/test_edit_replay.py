@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoqwen.bench.edit_replay import Rounds, price, replay
+from nanoqwen.bench.edit_replay import Rounds, price, replay, sensitivity
 from nanoqwen.runtime.drafters import PromptLookup
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -39,3 +39,20 @@ def test_price_counts_each_verify_at_its_bucket_and_plain_steps_at_the_decode_st
     assert p["spec_ms"] == pytest.approx(2.8 + 4.1 + 2 * 2.0 + 2 * 0.5)
     assert p["plain_ms"] == pytest.approx(2.0 * (2 + 7 + 2)) and p["verifies"] == 2
     assert p["speedup"] == pytest.approx(p["plain_ms"] / p["spec_ms"])
+    assert p["verifies_by_bucket"] == {4: 1, 8: 1}
+
+
+def test_sensitivity_prices_each_bucket_cheaper_in_turn():
+    """A bucket the rounds never use leaves the speed-up as it is; the bucket they use raises it, and the
+    replay under the cheaper bucket still yields plain's tokens (replay asserts it)."""
+    plain = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8]
+    cases, setting = [(PROMPT, plain)], PromptLookup(max_draft=3)
+    base = price([replay(PROMPT, plain, setting, COSTS, 3)], COSTS, 2.0)
+    used = base["verifies_by_bucket"]
+    s = sensitivity(cases, setting, COSTS, 2.0, 0.0, 3)
+    assert set(s) == set(COSTS) and used
+    for m, x in s.items():
+        if m in used:
+            assert x > base["speedup"]
+        elif m > max(used):
+            assert x == pytest.approx(base["speedup"])

@@ -24,13 +24,15 @@ The prompt's prefill is the same in both runs and left out, so the figure is the
 
 runs the small model's plain greedy output on the CPU (the numpy reference engine), replays it under the
 small model's measured costs (the check: its drafted / accepted / verify counts and speed-up beside the
-GPU's, ``--measured``) and under the 7B's (``--steps``: a steps or speculate JSON)."""
+GPU's, ``--measured``) and under the 7B's (``--steps``: a steps or speculate JSON), then under the 7B's with each
+bucket's verify 10% cheaper in turn (``sensitivity``: which step the speed-up rests on)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +79,25 @@ def price(rounds: list[Rounds], verify_ms: dict[int, float], step_ms: float, hos
     """Decode time of the rounds against plain decoding of the same tokens (``verify_ms``: bucket -> a
     verify's wall ms; ``step_ms``: the decode graph step; ``host_ms``: the host's own work a verify)."""
     buckets = sorted(verify_ms)
-    verifies = sum(len(rs.verify_rows) for rs in rounds)
-    spec = sum(verify_ms[next(b for b in buckets if b >= r)] for rs in rounds for r in rs.verify_rows)
+    used = Counter(next(b for b in buckets if b >= r) for rs in rounds for r in rs.verify_rows)
+    verifies = sum(used.values())
+    spec = sum(verify_ms[b] * n for b, n in used.items())
     spec += step_ms * sum(rs.plain_steps for rs in rounds) + host_ms * verifies
     tokens = sum(len(rs.verify_rows) + rs.accepted + rs.plain_steps for rs in rounds)   # after the first
     plain = step_ms * tokens
-    return {"plain_ms": plain, "spec_ms": spec, "speedup": plain / spec, "verifies": verifies, "host_ms": host_ms}
+    return {"plain_ms": plain, "spec_ms": spec, "speedup": plain / spec, "verifies": verifies, "host_ms": host_ms,
+            "verifies_by_bucket": {b: used[b] for b in buckets if used[b]}}
+
+
+def sensitivity(cases, setting, verify_ms: dict[int, float], step_ms: float, host_ms: float, max_draft: int,
+                faster: float = 0.1) -> dict[int, float]:
+    """Bucket -> the predicted speed-up with that bucket's verify ``faster`` (a fraction) cheaper: which step's
+    cost the workload's speed-up rests on (the cost rule may then draft other lengths)."""
+    out = {}
+    for m in sorted(verify_ms):
+        costs = {**verify_ms, m: verify_ms[m] * (1 - faster)}
+        out[m] = price([replay(p, o, setting, costs, max_draft) for p, o in cases], costs, step_ms, host_ms)["speedup"]
+    return out
 
 
 def plain_outputs(small: Path, text: str, gen: int) -> list[tuple[list[int], list[int]]]:
@@ -128,7 +143,8 @@ def run(measured: dict, steps: dict, gen: int = 96) -> dict:
                    "acceptance": sum(r.accepted for r in big) / max(sum(r.drafted for r in big), 1),
                    "verify_rows": sorted(set(n for r in big for n in r.verify_rows)),
                    "steps_alone": price(big, wall7, step7), "predicted": price(big, wall7, step7, host),
-                   "at_issue_goals": price(at_goal, goal, step7, host)}}
+                   "at_issue_goals": price(at_goal, goal, step7, host),
+                   "if_10pct_faster": sensitivity(cases, setting, wall7, step7, host, max_draft)}}
 
 
 def main(argv=None) -> int:
@@ -151,6 +167,8 @@ def main(argv=None) -> int:
     print(f"7B ({b['gpu']}, {b['costs_from']}): acceptance {b['acceptance']:.2f}, verifies of {b['verify_rows']} "
           f"rows, steps alone {b['steps_alone']['speedup']:.2f}x, predicted {b['predicted']['speedup']:.2f}x; with "
           f"the issue's step goals {b['at_issue_goals']['speedup']:.2f}x")
+    print(f"7B verifies by bucket {b['predicted']['verifies_by_bucket']}; predicted with one bucket's step 10% "
+          f"faster: " + ", ".join(f"m={m} {x:.2f}x" for m, x in b["if_10pct_faster"].items()))
     protocol.save(res, args.json)
     return 0
 
