@@ -115,6 +115,10 @@ class Multirow:
             raise ConfigError(f"multirow.norm_apart_rows must be at least 2 (one row keeps the fused norm), got "
                               f"{self.norm_apart_rows}")
 
+    def apart_roles(self, m: int) -> tuple[str, ...]:
+        """The GEMVs whose RMSNorm runs as its own kernel in the step of ``m`` rows."""
+        return self.norm_apart if m >= self.norm_apart_rows else ()
+
 
 @dataclass(frozen=True)
 class RoleSplits:

@@ -40,7 +40,7 @@ def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_
     embeds its rows with the prefill's embed (a copy, the same bits)."""
     rope_append, attention_decode, attention_combine = tuned.attention_specs(dims, cfg, gpu, m, profile)
     gemvs = {role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES}
-    apart = cfg.multirow.norm_apart if m >= cfg.multirow.norm_apart_rows else ()
+    apart = cfg.multirow.apart_roles(m)
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
             **gemvs, **{role: gemv.norm_apart(gemvs[role]) for role in apart},
             # multirow.norm_apart: x16 = RMSNorm(h) over the m rows, then the GEMV

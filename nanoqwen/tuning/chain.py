@@ -51,12 +51,11 @@ def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.C
     if m != 1 and m not in cfg.multirow.buckets:
         raise NanoqwenError(f"--rows {m}: not a multirow bucket (config multirow.buckets: "
                             f"{', '.join(map(str, cfg.multirow.buckets))})")
-    from ..runtime import decoder
     one = tuned.role_spec(role, dims, cfg, gpu)
     base = tuned.role_spec(role, dims, cfg, gpu, m)
     fields = space.tile_fields() if m == 1 else set(gemv.MULTIROW_TILE)
     # the step runs the role's norm apart at this m (config multirow.norm_apart): so do its variants
-    apart = m > 1 and decoder.norm_role(role) in decoder.step_specs(dims, cfg, gpu, m=m)
+    apart = role in cfg.multirow.apart_roles(m)
     specs = {BASE: base}
     for text in variants:
         try:
