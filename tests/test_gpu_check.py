@@ -1,5 +1,5 @@
 """tools/gpu_check.sh's test lanes, run here with a stand-in interpreter (no GPU, no compile): a file named in
-GPU_CHECK_PARALLEL_TESTS runs beside the others, the timing-checked files only after both lanes, every
+GPU_CHECK_PARALLEL_TESTS runs beside the others, the files that measure the whole device only after both lanes, every
 file's log lands in pytest.log, and a failure in any lane fails the check; lanes separated by ";" run side
 by side."""
 
@@ -42,8 +42,8 @@ echo "1 passed in 0.1s ($f)"
 exit 0
 """
 
-SLOW, OTHERS, TIMING = ("tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "tests/gpu/test_driver.py"],
-                        "tests/gpu/test_bench.py")
+SLOW, OTHERS = "tests/gpu/test_gemv.py", ["tests/gpu/test_embed.py", "tests/gpu/test_driver.py"]
+ALONE = ["tests/gpu/test_bench.py", "tests/gpu/test_verify_upload.py"]   # times; the device's free memory
 
 
 def _gpu_check(tmp_path: Path, **env: str) -> int:
@@ -65,7 +65,7 @@ def _started(tmp_path: Path) -> list[str]:
 
 def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tuple[int, dict, str]:
     runs, out = tmp_path / "runs.txt", tmp_path / "out"
-    rc = _gpu_check(tmp_path, SLOW_FILE=SLOW, FAIL_FILE=fail, GPU_CHECK_TESTS=" ".join([SLOW, TIMING, *OTHERS]),
+    rc = _gpu_check(tmp_path, SLOW_FILE=SLOW, FAIL_FILE=fail, GPU_CHECK_TESTS=" ".join([SLOW, *ALONE, *OTHERS]),
                     GPU_CHECK_PARALLEL_TESTS=lanes, **extra)
     times = {}
     for line in runs.read_text().splitlines():
@@ -74,28 +74,28 @@ def _run(tmp_path: Path, fail: str = "", lanes: str = SLOW, **extra: str) -> tup
     return rc, times, (out / "pytest.log").read_text()
 
 
-def test_the_parallel_lane_overlaps_and_the_timing_files_wait(tmp_path):
+def test_the_parallel_lane_overlaps_and_the_alone_files_wait(tmp_path):
     rc, t, log = _run(tmp_path)
     assert rc == 0
-    assert set(t) == {SLOW, TIMING, *OTHERS}
+    assert set(t) == {SLOW, *ALONE, *OTHERS}
     assert all(t[f]["start"] < t[SLOW]["end"] for f in OTHERS)        # beside the slow file
-    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])   # after both lanes
+    assert all(t[a]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS]) for a in ALONE)   # after both lanes
     assert all(f"({f})" in log for f in t)
 
 
 @pytest.mark.parametrize("fail", [SLOW, OTHERS[0]])
 def test_a_failure_in_either_lane_fails_the_check(tmp_path, fail):
     rc, t, _ = _run(tmp_path, fail=fail)
-    assert rc == 1 and set(t) == {SLOW, TIMING, *OTHERS}   # and the other files still ran
+    assert rc == 1 and set(t) == {SLOW, *ALONE, *OTHERS}   # and the other files still ran
 
 
 @pytest.mark.parametrize("fail", ["", OTHERS[0]])
 def test_lanes_run_side_by_side(tmp_path, fail):
-    """Two lanes and the rest: all three overlap, the timing file waits for all, a failure in one fails."""
+    """Two lanes and the rest: all three overlap, the alone files wait for all, a failure in one fails."""
     rc, t, log = _run(tmp_path, fail=fail, lanes=f"{SLOW}; {OTHERS[0]}")
-    assert rc == (1 if fail else 0) and set(t) == {SLOW, TIMING, *OTHERS}
+    assert rc == (1 if fail else 0) and set(t) == {SLOW, *ALONE, *OTHERS}
     assert all(t[f]["start"] < t[SLOW]["end"] for f in OTHERS)
-    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
+    assert all(t[a]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS]) for a in ALONE)
     assert all(f"({f})" in log for f in t)
 
 
@@ -115,10 +115,10 @@ def test_lanes_take_the_longest_time_of_the_newest_day(tmp_path):
 
 
 def test_gpu_check_lanes_from_past_times(tmp_path):
-    """GPU_CHECK_LANES=2: every file but the timing one in two lanes side by side, the timing file after."""
+    """GPU_CHECK_LANES=2: every file but the alone ones in two lanes side by side, those after."""
     rc, t, log = _run(tmp_path, lanes="", GPU_CHECK_LANES="2")
-    assert rc == 0 and set(t) == {SLOW, TIMING, *OTHERS}
-    assert t[TIMING]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS])
+    assert rc == 0 and set(t) == {SLOW, *ALONE, *OTHERS}
+    assert all(t[a]["start"] >= max(t[f]["end"] for f in [SLOW, *OTHERS]) for a in ALONE)
     starts = sorted(t[f]["start"] for f in [SLOW, *OTHERS])
     assert starts[1] < min(t[f]["end"] for f in [SLOW, *OTHERS])   # two lanes began together
 
@@ -139,8 +139,8 @@ def test_the_tuner_runs_before_the_tests(tmp_path):
     """GPU_CHECK_TUNE with tests: the tuner writes this tree's tuned.json first, so the tests (and a gate's
     A/B after them) run over the tree with its new entries, the one that lands."""
     rc, t, _ = _run(tmp_path, GPU_CHECK_TUNE="10", CACHE=str(tmp_path / "cache"))
-    assert rc == 0 and set(t) == {"tune", SLOW, TIMING, *OTHERS}
-    assert t["tune"]["start"] < min(t[f]["start"] for f in [SLOW, TIMING, *OTHERS])
+    assert rc == 0 and set(t) == {"tune", SLOW, *ALONE, *OTHERS}
+    assert t["tune"]["start"] < min(t[f]["start"] for f in [SLOW, *ALONE, *OTHERS])
 
 
 def test_steps_run_here_then_in_each_ab_tree_then_here_again(tmp_path):

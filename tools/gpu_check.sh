@@ -8,8 +8,9 @@
 #   GPU_CHECK_PARALLEL_TESTS test files run in lanes beside the others, lanes separated by ";" (e.g.
 #                      "tests/gpu/test_gemv.py; tests/gpu/test_gemm.py tests/gpu/test_decode.py": test_gemv's ~260 s
 #                      are mostly numpy on the host, so the whole suite and the gate's A/B fit one call); the files
-#                      whose tests compare times (TIMING_TESTS) wait until every lane is done
-#   GPU_CHECK_LANES    N: instead, every file but the timing ones in N lanes of about equal time, from the times
+#                      whose tests measure the whole device (ALONE_TESTS: times, free memory) wait until every
+#                      lane is done
+#   GPU_CHECK_LANES    N: instead, every file but ALONE_TESTS in N lanes of about equal time, from the times
 #                      of the newest results/gpu-tests-*.log (tools/test_lanes.py)
 #   GPU_CHECK_KERNELS  0 skips the GEMV kernel benchmark
 #   GPU_CHECK_TUNE     seconds of nanoqwen-tune budget (default 0: no tuning); tuned.json and tune-progress.json
@@ -59,7 +60,7 @@
 #   GPU_CHECK_GEMV_PROFILE "TILE..." times GEMV tiles back to back (tools/profile_gemv.py --time; TILE as it takes
 #                      them, e.g. "down:lanes=32,splitk=4@4:rows=2,warps=4,ctas_per_sm=3") and profiles one launch of
 #                      each with Nsight Compute where the machine has it (ncu.txt: speed of light, warp states,
-#                      occupancy, scheduler and instruction statistics)
+#                      stall reasons, occupancy, scheduler and instruction statistics)
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
@@ -109,7 +110,9 @@ $PY -c "import sys, numpy, os, cuda.bindings; from cuda.bindings import nvrtc; p
 'numpy', numpy.__version__, 'cuda-bindings', cuda.bindings.__version__, 'nvrtc', nvrtc.nvrtcVersion()[1:], \
 'cpus', os.cpu_count(), 'usable', len(os.sched_getaffinity(0)))"
 
-TIMING_TESTS="tests/gpu/test_bench.py tests/gpu/test_timeline.py"   # never beside another lane
+# never beside another lane: they compare times, or read the device's free memory (another lane's allocations
+# would count as a leak)
+ALONE_TESTS="tests/gpu/test_bench.py tests/gpu/test_timeline.py tests/gpu/test_verify_upload.py"
 status=0
 stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outcome
     local name=$1 limit=$2 t0 rc
@@ -154,9 +157,9 @@ fi
 if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     files=(${GPU_CHECK_TESTS:-tests/gpu/test_*.py})
     if [ -n "${GPU_CHECK_LANES:-}" ] && [ -z "${GPU_CHECK_PARALLEL_TESTS:-}" ]; then   # balanced by past times
-        untimed=()
-        for f in "${files[@]}"; do [[ " $TIMING_TESTS " == *" $f "* ]] || untimed+=("$f"); done
-        GPU_CHECK_PARALLEL_TESTS=$($PY tools/test_lanes.py "$GPU_CHECK_LANES" "${untimed[@]}") || status=1
+        together=()
+        for f in "${files[@]}"; do [[ " $ALONE_TESTS " == *" $f "* ]] || together+=("$f"); done
+        GPU_CHECK_PARALLEL_TESTS=$($PY tools/test_lanes.py "$GPU_CHECK_LANES" "${together[@]}") || status=1
         echo "lanes: $GPU_CHECK_PARALLEL_TESTS"
     fi
     parallel=${GPU_CHECK_PARALLEL_TESTS:-}
@@ -164,11 +167,11 @@ if [ "${GPU_CHECK_TESTS:-}" != none ]; then
     laned=" ${parallel//;/ } " serial=() rest=()
     for f in "${files[@]}"; do
         if [[ "$laned" == *" $f "* ]]; then :
-        elif [ -n "$parallel" ] && [[ " $TIMING_TESTS " == *" $f "* ]]; then serial+=("$f")
+        elif [ -n "$parallel" ] && [[ " $ALONE_TESTS " == *" $f "* ]]; then serial+=("$f")
         else rest+=("$f"); fi
     done
     pids=() logs=()
-    for l in "${lanes[@]}"; do   # each lane beside the others; the timing-checked files after all of them
+    for l in "${lanes[@]}"; do   # each lane beside the others; ALONE_TESTS after all of them
         mine=()
         for f in $l; do [[ " ${files[*]} " == *" $f "* ]] && mine+=("$f"); done
         [ ${#mine[@]} -gt 0 ] || continue
@@ -223,6 +226,7 @@ if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then 
     if [ -n "$ncu" ]; then
         stage ncu 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section WarpStateStats \
             --section Occupancy --section SchedulerStats --section InstructionStats --section LaunchStats \
+            --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
             -k regex:gemv_int4 $PY tools/profile_gemv.py --runs 1 $GPU_CHECK_GEMV_PROFILE > '$OUT/ncu.txt' 2>&1"
     else
         echo "== ncu: not found on this machine"
