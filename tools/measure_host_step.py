@@ -1,11 +1,16 @@
-"""The server's host work per step with N streams, on the CPU: what the GPU would idle for between two
-batched steps (only a lone greedy stream launches its next step ahead; runtime/batchstep.py).
+"""The server's host work per step with N streams, on the CPU, and how much of it the GPU would wait for:
+greedy decode steps are fed forward (runtime/batchstep.py: the next step is launched on the device before the
+host takes this one's tokens), so host work shows in the step rate only where it outlasts the step.
 
-A stand-in engine whose multi-sequence step costs nothing (``Instant``: the contract of runtime/batch.py,
+A stand-in engine whose multi-sequence step costs only time (``Instant``: the contract of runtime/batch.py,
 every row's argmax a fixed word, no logits) behind the real app in a server process of its own (uvicorn,
 the scheduler, the samplers, detokenization and stop matching, SSE and the event loop) serves N clients
-streaming greedy completions at once from this process; the server's wall time per step (its step count
-from /metrics) is then all host work. The steps include the admissions' prompt chunks.
+streaming greedy completions at once from this process. A step waits until ``step_ms`` after its launch: a
+step over the same decoding sequences as the last one was launched when the last one returned (fed
+forward), any other when it is called. The server's wall time per step (its step count from the stand-in)
+less its waits is all host work; less ``step_ms``, it is the host work the GPU would idle for (on average,
+the admissions' prompt chunks and the first and last steps included); the median time between two fed-forward
+steps' returns is the steady state a stream's inter-token latency sees.
 
     python tools/measure_host_step.py [--streams 1 2 4 8 16] [--tokens 256] [--step-ms 1.7] [--json OUT]
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -27,14 +33,17 @@ from nanoqwen.serve.launch import ChildServer
 
 
 class Instant:
-    """The multi-sequence step as a wait of ``step_s`` (a GPU step the host waits for, releasing the GIL, so
-    the streams overlap as they do on the GPU): every row's argmax is ``token``; ``waited`` sums the waits."""
+    """The multi-sequence step as a wait until ``step_s`` after its launch (a GPU step the host waits for,
+    releasing the GIL, so the streams overlap as they do on the GPU; fed forward as above): every row's argmax
+    is ``token``; ``waited`` sums the waits."""
     max_rows = 16
     costs = None   # steps are not timed: a drafter's k stands (the contract of runtime/batch.py)
 
     def __init__(self, token: int, step_s: float, pages: int = 4096, page_size: int = 16):
         self.token, self.step_s, self.cache = token, step_s, PrefixCache(pages, page_size)
         self.steps, self.waited = 0, 0.0
+        self.fed, self.returned = None, 0.0   # the sequences of the step fed forward, and when it was launched
+        self.periods: list[float] = []        # seconds between the returns of consecutive fed-forward steps
 
     def open(self, prompt, total):
         if not self.cache.can_start(total):
@@ -43,13 +52,20 @@ class Instant:
 
     def step(self, work):
         t = time.perf_counter()
-        time.sleep(self.step_s)
+        decoding = [id(seq) for seq, _ in work] if all(seq.pos >= seq.prompt for seq, _ in work) else None
+        launched = self.returned if decoding is not None and decoding == self.fed else t
+        while time.perf_counter() < launched + self.step_s:   # runtime/state.wait's poll (a sleep overshoots)
+            time.sleep(0)
         out = []
         for seq, tokens in work:
             seq.pos += len(tokens)
             out.append(Rows([self.token] * len(tokens)))
         self.steps += 1
-        self.waited += time.perf_counter() - t
+        if launched != t:
+            self.periods.append(time.perf_counter() - self.returned)
+        self.returned = time.perf_counter()
+        self.waited += self.returned - t
+        self.fed = decoding
         return out
 
     def close(self, seq, tokens):
@@ -84,7 +100,8 @@ def serve(streams: int, context: int, step_s: float) -> None:
     worker = Worker(lambda: (engine, tok), metrics, streams, log=lambda m: None, max_running=streams)
     worker.start()
     app = create_app(Server(worker, metrics, "m"))
-    app.get("/stand-in")(lambda: {"steps": engine.batch.steps, "waited_s": engine.batch.waited})
+    app.get("/stand-in")(lambda: {"steps": engine.batch.steps, "waited_s": engine.batch.waited,
+                                  "periods_s": engine.batch.periods})
     sock = listen("127.0.0.1", 0)
     print(sock.getsockname()[1], flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
@@ -107,39 +124,48 @@ def stand_in(streams: int, tokens: int, step_ms: float):
 
 def measure(streams: int, tokens: int, step_ms: float) -> dict:
     """N clients (threads of this process, one kept-alive connection each) stream ``tokens`` each from a
-    stand-in server process whose step waits ``step_ms``: its wall time per step less the wait is host work."""
+    stand-in server process whose step takes ``step_ms``: its wall time per step less the waits is host work,
+    less ``step_ms`` the host work left exposed."""
     import httpx
     with stand_in(streams, tokens, step_ms) as srv:
         url = srv.url
         clients = [httpx.Client(timeout=120) for _ in range(streams)]
         barrier, done = threading.Barrier(streams + 1), []
 
-        def one(c):
-            barrier.wait()
-            with c.stream("POST", f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": tokens,
+        def request(c, n):
+            with c.stream("POST", f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": n,
                                                                  "temperature": 0, "stream": True}) as r:
                 for _ in r.iter_lines():
                     pass
-            done.append(time.perf_counter())
 
-        def stats() -> tuple[int, float]:
+        def one(c):
+            barrier.wait()
+            request(c, tokens)
+            done.append(time.perf_counter())
+        for c in clients:   # the server's first requests (lazy imports, the connections) before the clock
+            request(c, 2)
+
+        def stats() -> tuple[int, float, list[float]]:
             st = httpx.get(f"{url}/stand-in", timeout=30).json()
-            return st["steps"], st["waited_s"]
+            return st["steps"], st["waited_s"], st["periods_s"]
         threads = [threading.Thread(target=one, args=(c,)) for c in clients]
         for t in threads:
             t.start()
-        n0, w0 = stats()
+        n0, w0, p0 = stats()
         barrier.wait()
         t0 = time.perf_counter()
         for t in threads:
             t.join()
         wall = max(done) - t0
-        n1, w1 = stats()
+        n1, w1, p1 = stats()
         n, waited = n1 - n0, w1 - w0
         for c in clients:
             c.close()
     return {"streams": streams, "tokens_each": tokens, "steps": int(n), "wall_s": wall,
-            "step_wait_ms": 1e3 * waited / n, "host_ms_per_step": 1e3 * (wall - waited) / n}
+            "step_wait_ms": 1e3 * waited / n, "host_ms_per_step": 1e3 * (wall - waited) / n,
+            "exposed_ms_per_step": 1e3 * wall / n - step_ms,
+            "fed_forward_step_ms": {"p50": 1e3 * statistics.median(p1[len(p0):]),
+                                    "p90": 1e3 * statistics.quantiles(p1[len(p0):], n=10)[-1]}}
 
 
 def main(argv=None) -> int:
@@ -155,11 +181,16 @@ def main(argv=None) -> int:
         return 0
     rows = [measure(n, args.tokens, args.step_ms) for n in args.streams]
     for r in rows:
-        print(f"{r['streams']:3d} streams: {r['host_ms_per_step']:.3f} ms of host work per step beside a "
-              f"{r['step_wait_ms']:.2f} ms step ({r['steps']} steps)")
+        print(f"{r['streams']:3d} streams: {r['host_ms_per_step']:.3f} ms of host work per step, "
+              f"{r['exposed_ms_per_step']:.3f} ms of it past a {args.step_ms:.2f} ms step on average "
+              f"({r['steps']} steps); fed-forward steps p50 {r['fed_forward_step_ms']['p50']:.3f} ms, "
+              f"p90 {r['fed_forward_step_ms']['p90']:.3f}")
     if args.json:
         import platform
-        args.json.write_text(json.dumps({"kind": "nanoqwen-host-step", "cpu": platform.processor() or platform.machine(),
+
+        from nanoqwen.bench.kernels import git_commit
+        args.json.write_text(json.dumps({"kind": "nanoqwen-host-step", "commit": git_commit(),
+                                         "cpu": platform.processor() or platform.machine(),
                                          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                          "cores": __import__("os").cpu_count(), "step_ms": args.step_ms,
                                          "rows": rows}, indent=1) + "\n")
