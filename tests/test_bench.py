@@ -585,6 +585,48 @@ def test_speculate_wall_times_time_each_verify_as_the_host_waits_for_it(monkeypa
     assert speculate.wall_line("7B", wall).startswith("7B, a step as a verify runs it (host included): m=1 0.200 ms")
 
 
+def test_speculate_sequence_steps_give_each_row_a_sequence_of_its_own(monkeypatch):
+    """bench/speculate.sequence_step_times on a simulated device: a session of its own whose KV cache holds the
+    largest bucket's sequences; one sequence a row (a distinct prompt, pages of its own) at position 512; the
+    decode graph over the first one's table and each bucket's graph over the first m tables, as multiples of
+    the decode graph; the session closed."""
+    from nanoqwen import config
+    from nanoqwen.bench import speculate
+    from nanoqwen.runtime import session as session_module
+    from nanoqwen.runtime.prefix_cache import PrefixCache
+    seen = {"loads": []}
+
+    class Rows:
+        m, buckets = 4, [2, 4]
+        graphs = {m: types.SimpleNamespace(launch=lambda stream, m=m: m) for m in (2, 4)}
+
+        def load(self, tokens, positions, tables):
+            seen["loads"].append((tokens, positions, tables))
+
+    class Session:
+        def __init__(self, path, context, log, cfg, kv_tokens):
+            seen.update(context=context, kv_tokens=kv_tokens)
+            self.runner = types.SimpleNamespace(cache=PrefixCache(kv_tokens // 16, 16))
+            self.state = types.SimpleNamespace(stream="s", kv=types.SimpleNamespace(
+                load=lambda table, stream: seen.update(decode_table=table)))
+            self.decoder = types.SimpleNamespace(reset=lambda *state: seen.update(reset=state),
+                                                 graph=types.SimpleNamespace(launch=lambda stream: 1))
+            self.rows = Rows()
+
+        def close(self):
+            seen["closed"] = True
+    monkeypatch.setattr(session_module, "CudaSession", Session)
+    monkeypatch.setattr(speculate, "replay_seconds", lambda launch, stream, reps: 1e-3 * launch())
+    cfg = config.default()
+    out = speculate.sequence_step_times("model.nanoqwen", cfg, log=None)
+    assert out == {"1": {"ms": 1.0, "vs_m1": 1.0}, "2": {"ms": 2.0, "vs_m1": 2.0}, "4": {"ms": 4.0, "vs_m1": 4.0}}
+    assert seen["kv_tokens"] == cfg.multirow.buckets[-1] * seen["context"] and seen["closed"]
+    tables = seen["loads"][-1][2]
+    assert len(tables) == 4 and len(set().union(*map(set, tables))) == sum(map(len, tables))   # pages of their own
+    assert seen["decode_table"] == tables[0] and seen["reset"] == (0, 512, 512)
+    assert [(t, p, len(tb)) for t, p, tb in seen["loads"]] == [([0, 0], [512, 512], 2), ([0] * 4, [512] * 4, 4)]
+
+
 def test_write_json_never_replaces_a_fifo(tmp_path):
     """bench --out / eval --out go through write_json: a FIFO (or any non-regular file) there is refused in
     one line and stays what it was; a regular file is replaced whole."""

@@ -87,6 +87,27 @@ def step_times(session, reps: int = 50) -> dict:
     return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
 
 
+def sequence_step_times(path: Path, cfg, log, reps: int = 50) -> dict:
+    """Seconds per replay of each multi-row graph whose m rows are m sequences, one row each at position
+    PROMPT on its own pages (the step of m concurrent streams, runtime/batchstep.py; ``step_times``' rows are
+    one sequence's, whose pages the attention shares), against the decode graph of one of them. A session of
+    its own, whose KV cache holds the largest bucket's sequences."""
+    from ..runtime.session import CudaSession
+    session = CudaSession(path, CONTEXT, log=log, cfg=cfg, kv_tokens=cfg.multirow.buckets[-1] * CONTEXT)
+    stream, dec, rows, cache = session.state.stream, session.decoder, session.rows, session.runner.cache
+    try:
+        tables = [cache.start([i], PROMPT + 1).pages for i in range(rows.m)]   # distinct prompts: no reuse
+        session.state.kv.load(tables[0], stream)
+        dec.reset(0, PROMPT, PROMPT)
+        out = {1: replay_seconds(lambda: dec.graph.launch(stream), stream, reps)}
+        for m in rows.buckets:
+            rows.load([0] * m, [PROMPT] * m, tables[:m])
+            out[m] = replay_seconds(lambda m=m: rows.graphs[m].launch(stream), stream, reps)
+    finally:
+        session.close()
+    return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
+
+
 def wall_times(session, reps: int = 20) -> dict:
     """Median wall milliseconds of one step as a verify runs it, host included: bucket m's ``RowStep.run``
     (m rows at positions 512..) and, for m = 1, the decode step launched and waited for (a verify without
@@ -242,12 +263,15 @@ def run(log=None, steps_only: bool = False) -> dict:
         log("multi-row step times")
         res["step"] = step_times(session)
         res["step_wall_ms"] = wall_times(session)
-        if steps_only:
-            return res
-        log("oracle drafts")
-        res["oracle"] = oracle_rates(session, rng, vocab)
+        if not steps_only:
+            log("oracle drafts")
+            res["oracle"] = oracle_rates(session, rng, vocab)
     finally:
         session.close()
+    log("multi-row step times over as many sequences as rows")
+    res["step_sequences"] = sequence_step_times(path, cfg, log)
+    if steps_only:
+        return res
     draft = config.cache_root(cfg.codegen) / "models" / "random-draft-0.5b-seed0" / "model.nanoqwen"
     if not draft.exists():
         from ..pack import pack_random
@@ -276,6 +300,8 @@ def main(argv=None) -> int:
     for m, s in res["step"].items():
         print(f"step m={m}: {s['ms']:.3f} ms ({s['vs_m1']:.2f}x m=1)")
     print(wall_line("7B", res["step_wall_ms"]))
+    print("steps over m sequences: " + ", ".join(f"m={m} {s['ms']:.3f} ms ({s['vs_m1']:.2f}x)"
+                                                 for m, s in res["step_sequences"].items()))
     if args.steps:
         protocol.save(res, args.json)
         return 0
