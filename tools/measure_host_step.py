@@ -53,7 +53,8 @@ class Instant:
     def step(self, work):
         t = time.perf_counter()
         decoding = [id(seq) for seq, _ in work] if all(seq.pos >= seq.prompt for seq, _ in work) else None
-        launched = self.returned if decoding is not None and decoding == self.fed else t
+        fed = decoding is not None and decoding == self.fed
+        launched = self.returned if fed else t
         while time.perf_counter() < launched + self.step_s:   # runtime/state.wait's poll (a sleep overshoots)
             time.sleep(0)
         out = []
@@ -61,10 +62,11 @@ class Instant:
             seq.pos += len(tokens)
             out.append(Rows([self.token] * len(tokens)))
         self.steps += 1
-        if launched != t:
-            self.periods.append(time.perf_counter() - self.returned)
-        self.returned = time.perf_counter()
-        self.waited += self.returned - t
+        now = time.perf_counter()
+        if fed:
+            self.periods.append(now - self.returned)
+        self.returned = now
+        self.waited += now - t
         self.fed = decoding
         return out
 

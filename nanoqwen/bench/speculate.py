@@ -72,40 +72,42 @@ def timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
     return out, stamps[-1] - stamps[0]
 
 
-def step_times(session, reps: int = 50) -> dict:
-    """Seconds per replay of the decode graph and of each multi-row graph, at positions 512..."""
+def graph_times(session, load_rows, reps: int) -> dict:
+    """Milliseconds per replay of the decode graph at position PROMPT and of each multi-row graph, its inputs
+    loaded by ``load_rows(m)``, and each as a multiple of the decode graph."""
     stream, dec, rows = session.state.stream, session.decoder, session.rows
+    dec.reset(0, PROMPT, PROMPT)
+    out = {1: replay_seconds(lambda: dec.graph.launch(stream), stream, reps)}
+    for m in rows.buckets:
+        load_rows(m)
+        out[m] = replay_seconds(lambda m=m: rows.graphs[m].launch(stream), stream, reps)
+    return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
+
+
+def step_times(session, reps: int = 50) -> dict:
+    """``graph_times`` with the multi-row graphs' rows at positions 512.. of one sequence."""
+    rows = session.rows
     session.runner.reserve(PROMPT + reps + rows.m + 1)
-    try:
-        dec.reset(0, PROMPT, PROMPT)
-        out = {1: replay_seconds(lambda: dec.graph.launch(stream), stream, reps)}
-        for m in rows.buckets:
-            rows.load([0] * m, list(range(PROMPT, PROMPT + m)))   # the reserved sequence's table, offsets 0
-            out[m] = replay_seconds(lambda m=m: rows.graphs[m].launch(stream), stream, reps)
+    try:   # the reserved sequence's table, offsets 0
+        return graph_times(session, lambda m: rows.load([0] * m, list(range(PROMPT, PROMPT + m))), reps)
     finally:
         session.runner.cache.clear()
-    return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
 
 
 def sequence_step_times(path: Path, cfg, log, reps: int = 50) -> dict:
-    """Seconds per replay of each multi-row graph whose m rows are m sequences, one row each at position
-    PROMPT on its own pages (the step of m concurrent streams, runtime/batchstep.py; ``step_times``' rows are
-    one sequence's, whose pages the attention shares), against the decode graph of one of them. A session of
-    its own, whose KV cache holds the largest bucket's sequences."""
+    """``graph_times`` with each multi-row graph's m rows m sequences, one row each at position PROMPT on its
+    own pages (the step of m concurrent streams, runtime/batchstep.py; ``step_times``' rows are one
+    sequence's, whose pages the attention shares), the decode graph over the first of them. A session of its
+    own, whose KV cache holds the largest bucket's sequences."""
     from ..runtime.session import CudaSession
     session = CudaSession(path, CONTEXT, log=log, cfg=cfg, kv_tokens=cfg.multirow.buckets[-1] * CONTEXT)
-    stream, dec, rows, cache = session.state.stream, session.decoder, session.rows, session.runner.cache
+    rows, cache = session.rows, session.runner.cache
     try:
         tables = [cache.start([i], PROMPT + 1).pages for i in range(rows.m)]   # distinct prompts: no reuse
-        session.state.kv.load(tables[0], stream)
-        dec.reset(0, PROMPT, PROMPT)
-        out = {1: replay_seconds(lambda: dec.graph.launch(stream), stream, reps)}
-        for m in rows.buckets:
-            rows.load([0] * m, [PROMPT] * m, tables[:m])
-            out[m] = replay_seconds(lambda m=m: rows.graphs[m].launch(stream), stream, reps)
+        session.state.kv.load(tables[0], session.state.stream)
+        return graph_times(session, lambda m: rows.load([0] * m, [PROMPT] * m, tables[:m]), reps)
     finally:
         session.close()
-    return {str(m): {"ms": 1e3 * s, "vs_m1": s / out[1]} for m, s in out.items()}
 
 
 def wall_times(session, reps: int = 20) -> dict:
