@@ -624,6 +624,7 @@ def test_speculate_sequence_steps_give_each_row_a_sequence_of_its_own(monkeypatc
     tables = seen["loads"][-1][2]
     assert len(tables) == 4 and len(set().union(*map(set, tables))) == sum(map(len, tables))   # pages of their own
     assert seen["decode_table"] == tables[0] and seen["reset"] == (0, 512, 512)
+    assert len(tables[0]) * 16 >= 512 + 50 + 1 + 1   # the positions the decode graph's replays append, and 512
     assert [(t, p, len(tb)) for t, p, tb in seen["loads"]] == [([0, 0], [512, 512], 2), ([0] * 4, [512] * 4, 4)]
 
 

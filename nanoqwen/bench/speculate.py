@@ -103,7 +103,8 @@ def sequence_step_times(path: Path, cfg, log, reps: int = 50) -> dict:
     session = CudaSession(path, CONTEXT, log=log, cfg=cfg, kv_tokens=cfg.multirow.buckets[-1] * CONTEXT)
     rows, cache = session.rows, session.runner.cache
     try:
-        tables = [cache.start([i], PROMPT + 1).pages for i in range(rows.m)]   # distinct prompts: no reuse
+        # distinct prompts (no reuse); the decode graph appends a position a replay (its warm-up and reps)
+        tables = [cache.start([i], PROMPT + reps + 2).pages for i in range(rows.m)]
         session.state.kv.load(tables[0], session.state.stream)
         return graph_times(session, lambda m: rows.load([0] * m, [PROMPT] * m, tables[:m]), reps)
     finally:
