@@ -11,12 +11,14 @@ m-row tile's, codegen/kernels/gemv.py MULTIROW_TILE, as a tuned entry holds them
 against numpy first (a profile of a wrong kernel is of no use) and its residency printed (the CTAs an SM
 holds by registers, threads and shared memory, and the grid in waves of them), then launched --runs times on
 the same weights; with --time, instead timed back-to-back in a captured graph with PDL as `nanoqwen bench
---kernels` times them (weights rotating past L2), against the copy bandwidth measured in the same run.
+--kernels` times them (weights rotating past L2), against the copy bandwidth measured in the same run, then
+the same graph without PDL and one launch alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import numpy as np
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
 def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.Config, time: bool) -> int:
     from nanoqwen.bench import kernels
     from nanoqwen.bench.gemv_case import GemvCase
+    from nanoqwen.bench.replay import graph_seconds
     from nanoqwen.runtime import driver
     stream = driver.Stream()
     gpu = GpuProfile.from_props(driver.device().props)
@@ -91,10 +94,15 @@ def _launch(specs: list[tuple[str, gemv.GemvInt4Spec]], runs: int, cfg: config.C
                     print(f"profile_gemv: {spec.uri} is wrong (rel err {err:.2e})", file=sys.stderr)
                     return 1
                 if time:
-                    graph = kernels.row(arg, spec, kernels.time_spec(case, fn, spec, stream, blocker), copy_GBps,
-                                        copies)["graph"]
+                    t = kernels.time_spec(case, fn, spec, stream, blocker)
+                    r = kernels.row(arg, spec, t, copy_GBps, copies)
+                    graph = r["graph"]
+                    # the same graph with PDL off: what the overlap of a kernel's start with the last one's end buys
+                    serial = statistics.median(graph_seconds(
+                        lambda i, pdl: fn.launch(launch, stream, False, **case.args(i)), t["graph_calls"], stream))
                     print(f"  graph {graph['us']:.2f} us [{graph['us_min']:.2f}..{graph['us_max']:.2f}], "
-                          f"{graph['pct_copy']:.1f}% of copy ({copy_GBps:.0f} GB/s)", flush=True)
+                          f"{graph['pct_copy']:.1f}% of copy ({copy_GBps:.0f} GB/s); without PDL "
+                          f"{serial * 1e6:.2f} us; alone {r['alone']['us']:.2f} us", flush=True)
                 else:
                     for _ in range(runs):
                         case.run(fn, spec, stream)
