@@ -133,7 +133,7 @@ class FakeCu:
 
 
 class FakeFn:
-    def __init__(self, spec, carveout=-1):
+    def __init__(self, spec):
         self.spec = spec
 
 
@@ -478,7 +478,7 @@ def fake_session(nqfile, monkeypatch, **kw):
             pass
 
     fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
-                                     "load": staticmethod(lambda built, carveout: Fn(None))})
+                                     "load": staticmethod(lambda built: Fn(None))})
     fake_runner(nqfile, monkeypatch)   # the fake driver in the parts' modules
     monkeypatch.setattr(session_mod, "driver", fake)
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])

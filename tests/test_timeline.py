@@ -333,7 +333,7 @@ def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
         def __init__(self, n):
             self.nbytes = n
     monkeypatch.setattr(codegen, "build_many", build_many)
-    monkeypatch.setattr(driver, "load", lambda spec, carveout: ("fn", spec.family))
+    monkeypatch.setattr(driver, "load", lambda spec: ("fn", spec.family))
     monkeypatch.setattr(driver, "DeviceBuffer", Table)
     seq, table = timeline.timed_rows(Rows, 4)
     assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][:2] == ("embed", "untimed")

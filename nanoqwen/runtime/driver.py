@@ -399,7 +399,6 @@ class Function:
         self.params = ArgPacker(signature, self.uri)
         self._module = module      # keeps the module alive as long as the function
         self._smem_limit = None    # dynamic shared memory a launch may take without raising the attribute
-        self.fit_carveout, self._carved = False, None   # FIT_CARVEOUT: the split fitted for this dynamic smem
 
     def attribute(self, attr) -> int:
         return check(cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({attr}) on {self.uri}")
@@ -410,26 +409,8 @@ class Function:
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) on {self.uri}")
         self._smem_limit = int(nbytes)
 
-    def set_carveout(self, percent: int) -> None:
-        A = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        check(cu.cuFuncSetAttribute(self.handle, A, int(percent)),
-              f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent}) on {self.uri}")
-
-    def _fit_carveout(self, threads: int, smem: int) -> None:
-        """The least shared-memory split that holds the CTAs this kernel's registers and threads let an SM run
-        at ``smem`` bytes of dynamic shared memory: the rest of the SM's L1 stays L1, where the data of loads
-        in flight lands (config launch.smem_carveout -2)."""
-        from ..codegen.gpu import ctas_an_sm_holds
-        A = cu.CUfunction_attribute
-        per_cta = self.attribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) + smem + SMEM_PER_CTA
-        ctas = ctas_an_sm_holds(threads, self.attribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS), SMEM_PER_SM // per_cta)
-        self.set_carveout(min(100, -(-100 * ctas * per_cta // SMEM_PER_SM)))
-        self._carved = smem
-
     def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
         grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
-        if self.fit_carveout and smem != self._carved:
-            self._fit_carveout(block[0] * block[1] * block[2], smem)
         memory, params = self.params.pack(args)
         if smem:
             if self._smem_limit is None:   # without the opt-in, static + dynamic must fit 48 KB
@@ -481,11 +462,9 @@ class Module:
 _MODULES: dict[str, Module] = {}
 
 
-def load(built, signature=None, carveout: int = -1) -> Function:
+def load(built, signature=None) -> Function:
     """codegen Built -> Function. The signature comes from the built spec (`spec.signature`) unless
-    given; modules are cached by the cubin's hash so repeated loads are free. ``carveout`` (config
-    launch.smem_carveout): the percentage of the SM's L1 the kernel prefers as shared memory, FIT_CARVEOUT to fit
-    it at each launch's shared memory, or -1: the driver's choice."""
+    given; modules are cached by the cubin's hash so repeated loads are free."""
     spec = getattr(built, "spec", None)
     if signature is None:
         signature = getattr(built, "signature", None) or getattr(spec, "signature", ())
@@ -494,16 +473,7 @@ def load(built, signature=None, carveout: int = -1) -> Function:
     mod = _MODULES.get(key)
     if mod is None:
         mod = _MODULES[key] = Module(built.cubin, uri)
-    fn = mod.function(built.entry, signature, uri)
-    if carveout >= 0:
-        fn.set_carveout(carveout)
-    fn.fit_carveout = carveout == FIT_CARVEOUT
-    return fn
-
-
-FIT_CARVEOUT = -2          # the least split that holds the CTAs registers and threads allow (Function.launch)
-SMEM_PER_SM = 228 * 1024   # sm_90's unified L1 / shared memory an SM can give to shared memory
-SMEM_PER_CTA = 1024        # what the system reserves of it per CTA
+    return mod.function(built.entry, signature, uri)
 
 
 # ---- graphs ------------------------------------------------------------------------------------

@@ -83,8 +83,7 @@ class CudaSession:
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-        kernels = {role: (spec, driver.load(b, carveout=cfg.launch.smem_carveout))
-                   for (role, spec), b in zip(specs.items(), built)}
+        kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
         t2 = time.perf_counter()
         bar = Progress(w_bytes, "upload")
         self.weights = Weights(f, progress=bar, verify=verify)

@@ -101,12 +101,10 @@ def summarize(times: dict[str, list[float]]) -> dict:
                   "vs_tuned_pct": 100.0 * (statistics.median(t) / base - 1.0)} for lab, t in times.items()}
 
 
-def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int, log=print,
-          carveout: int = -1) -> dict[str, list[float]]:
+def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int, log=print) -> dict[str, list[float]]:
     """label -> the step's graph time (ms) at ``context``, one per round: the decode step (m = 1 specs) by the
     median of ``reps`` gated replays, the m-row step (the specs' m) by the mean of ``reps`` back-to-back replays
-    of its rows at positions context - m + 1 .. context. The variants are loaded with the session's shared-memory
-    ``carveout`` (config launch.smem_carveout)."""
+    of its rows at positions context - m + 1 .. context."""
     from .. import codegen
     from ..runtime import driver
     m, base = specs[BASE].m, specs[BASE]
@@ -118,7 +116,7 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
     steps = {}
     try:
         for label, spec in specs.items():
-            fn = driver.load(built[label], carveout=carveout) if label in built else None
+            fn = driver.load(built[label]) if label in built else None
             steps[label] = (_DecodeStep if m == 1 else _RowsStep)(session, role, spec, fn, context)
         times = {label: [] for label in steps}
         for label in rounds_order(list(steps), rounds):
@@ -203,7 +201,7 @@ def run(role: str, variants: list[str], rounds: int, reps: int, top: int = 0, m:
         step = "decode step" if m == 1 else f"{m}-row step"
         log(f"{role}: {len(specs) - 1} variants beside the tuned tile in the {step}, {rounds} rounds at context "
             f"{context}")
-        times = judge(session, role, specs, rounds, reps, context, log, cfg.launch.smem_carveout)
+        times = judge(session, role, specs, rounds, reps, context, log)
     finally:
         session.close()
     return {"kind": "nanoqwen-tune-chain", "schema": 1, "commit": git_commit(),
