@@ -55,3 +55,35 @@ def test_bad_variant_is_refused_before_anything_is_written(base, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("ab_variant: ") and words in err and err.count("\n") == 1
     assert not (tmp_path / "v").exists()
+
+
+MMA = "mma=1,lanes=4,rows=2,warps=8,kwarps=8"
+ROWS = ROOT / "results" / "tuned-h100-2026-12-06-mma-gate_up-rows.json"   # the tuner's, beside MMA's m = 1 tile
+
+
+def test_rows_from_brings_the_m_row_tiles_tuned_beside_the_same_kernel(base, tmp_path, monkeypatch):
+    cfg = config.default()
+    entry = ab_variant.make_variant(base, tmp_path / "v", "gate_up", MMA, rows_from=ROWS)
+    after = json.loads((tmp_path / "v" / "tune" / "tuned.json").read_text())["entries"]
+    src = json.loads(ROWS.read_text())["entries"]
+    one = gemv.role_spec("gate_up", QWEN25_7B, cfg, **entry["params"])
+    brought = [m for m in cfg.multirow.buckets[1:] if KEY + f"_m{m}" in after]
+    assert brought == [m for m in cfg.multirow.buckets[1:] if KEY + f"_m{m}" in src] == [2, 4, 8]
+    for m in brought:
+        row = after[KEY + f"_m{m}"]
+        assert row["params"] == src[KEY + f"_m{m}"]["params"] and row["base_uri"] == one.uri
+    # what a session on the H100 builds from the variant's store: the tensor-core kernel and the m-row tiles tuned
+    monkeypatch.setattr(tuned.tuned_store, "merged_entries", lambda: after)
+    assert tuned.role_spec("gate_up", QWEN25_7B, cfg, ab_variant.H100) == one
+    for m in brought:
+        tile = src[KEY + f"_m{m}"]["params"]
+        want = gemv.multirow_spec(one, m, cfg, tile=tile)
+        assert tuned.role_spec("gate_up", QWEN25_7B, cfg, ab_variant.H100, m) == want != gemv.multirow_spec(one, m, cfg)
+
+
+def test_rows_from_a_file_tuned_beside_another_kernel_is_refused(base, tmp_path, capsys):
+    args = [str(base), str(tmp_path / "v"), "gate_up", MMA.replace("kwarps=8", "kwarps=4"), "--rows-from", str(ROWS)]
+    assert ab_variant.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ab_variant: ") and "another kernel" in err and err.count("\n") == 1
+    assert not (tmp_path / "v").exists()
