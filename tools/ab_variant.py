@@ -24,7 +24,6 @@ from pathlib import Path
 
 from nanoqwen import NanoqwenError, config
 from nanoqwen.codegen import tuned, tuned_store
-from nanoqwen.codegen.gpu import DEFAULT
 from nanoqwen.codegen.kernels import gemv
 from nanoqwen.codegen.spec import SpecError
 from nanoqwen.dims import QWEN25_7B
@@ -80,7 +79,7 @@ def _row_entries(path: Path, role: str, gpu: str, one: gemv.GemvInt4Spec, cfg: c
         if mkey in src:
             try:
                 tile = src[mkey]["params"]
-                gemv.multirow_spec(one, m, cfg, DEFAULT, tile=tile)
+                gemv.multirow_spec(one, m, cfg, tile=tile)
             except (KeyError, TypeError, SpecError) as e:
                 raise NanoqwenError(f"{path}: {mkey}: {e}") from None
             rows[mkey] = {"m": m, "params": tile, "base_uri": one.uri, "note": f"tools/ab_variant.py: from {path}"}
