@@ -167,6 +167,16 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class Launch:
+    smem_carveout: int
+
+    def __post_init__(self):
+        if not -1 <= self.smem_carveout <= 100:
+            raise ConfigError(f"launch.smem_carveout must be -1 (the driver's choice) or a percentage 0..100, "
+                              f"got {self.smem_carveout}")
+
+
+@dataclass(frozen=True)
 class Codegen:
     arch: str
     nvrtc_options: tuple[str, ...]
@@ -203,6 +213,7 @@ class Config:
     gemv_int4: GemvInt4
     multirow: Multirow
     prefill: Prefill
+    launch: Launch
     codegen: Codegen
     bench: Bench
     validation: Validation

@@ -49,6 +49,14 @@ def test_graph_buckets_rise_within_the_chunk_limit(tmp_path, value):
         load(_write(tmp_path, data))
 
 
+@pytest.mark.parametrize("value", [-2, 101])
+def test_smem_carveout_is_a_percentage_or_the_drivers_choice(tmp_path, value):
+    data = yaml.safe_load(DEFAULT_PATH.read_text())
+    data["launch"]["smem_carveout"] = value
+    with pytest.raises(ConfigError, match=rf"^launch.smem_carveout must be -1 .* 0..100, got {value}$"):
+        load(_write(tmp_path, data))
+
+
 def test_no_graph_buckets_is_allowed(tmp_path):
     data = yaml.safe_load(DEFAULT_PATH.read_text())
     data["prefill"]["graph_buckets"] = []

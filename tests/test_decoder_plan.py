@@ -133,8 +133,8 @@ class FakeCu:
 
 
 class FakeFn:
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, spec, carveout=-1):
+        self.spec, self.carveout = spec, carveout
 
 
 class FakeDriver:
@@ -265,9 +265,12 @@ def test_timed_decoder_gives_each_launch_its_probe_slots(nqfile, monkeypatch):
         return specs
     monkeypatch.setattr(codegen, "build_many", build_many)
     monkeypatch.setattr(driver, "load", Recorder)
+    for i, role in enumerate(dict.fromkeys(role for role, *_ in run.decoder.sequence)):
+        run.decoder.kernels[role][1].carveout = 10 + i   # each timed variant takes its kernel's shared-memory split
     timed = timeline.timed_decoder(run.decoder)
     kernels = timed.kernels
     assert set(kernels) == {role for role, *_ in run.decoder.sequence} < set(run.decoder.kernels)
+    assert all(fn.carveout == run.decoder.kernels[role][1].carveout for role, (_, fn) in kernels.items())
     n = len(timed.sequence)
     assert run.decoder.probe is None and timed.bufs is run.decoder.bufs and timed.probe.nbytes == 24 * n
     assert [args["probe"] for *_rest, args in timed.sequence] == [timed.probe.ptr + 24 * i for i in range(n)]
@@ -478,7 +481,7 @@ def fake_session(nqfile, monkeypatch, **kw):
             pass
 
     fake = type("D", (FakeDriver,), {"device": staticmethod(lambda: type("Dev", (), {"props": Props})()),
-                                     "load": staticmethod(lambda built: Fn(None))})
+                                     "load": staticmethod(lambda built, carveout: Fn(None, carveout))})
     fake_runner(nqfile, monkeypatch)   # the fake driver in the parts' modules
     monkeypatch.setattr(session_mod, "driver", fake)
     monkeypatch.setattr(session_mod.codegen, "build_many", lambda specs, **kw: [None for _ in specs])
@@ -501,6 +504,12 @@ def test_session_wires_the_parts(nqfile, monkeypatch):
     assert {k: v for k, v in s.device_bytes.items() if k not in ("weights", "kv")} == allocated
     assert s.device_bytes["kv"] == s.kv.layout.total_bytes and s.device_bytes["weights"] == weights_mod.plan(nqfile).nbytes
     assert s.device_bytes["state.tokens_out"] == 400 and s.device_bytes["decode.h"] == 4 * d.hidden
+    # the one-row step's kernels take launch.smem_carveout; prefill's and the m-row steps' the driver's split (-1)
+    step = {role for role, *_ in s.decoder.sequence}
+    splits = {role: fn.carveout for role, (_, fn) in s.decoder.kernels.items()}
+    assert {splits[r] for r in step} == {config.default().launch.smem_carveout}
+    assert {c for r, c in splits.items() if r not in step} == {-1}
+    assert {fn.carveout for roles in s.rows.kernels.values() for _, fn in roles.values()} == {-1}
     assert len(list(s.generate([1, 2, 3], 4))) == 4 and s.cached_tokens == 0
     assert len(list(s.generate([1, 2, 3, 4], 2))) == 2 and s.cached_tokens == 3
     assert s.pages() == (0, 1, 20)   # the server's KV pages gauges: none running, one sequence of 5 kept

@@ -316,9 +316,12 @@ def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
     m-row embed (the prefill's kernel, no probe hooks) untimed; the RowStep's own launch list untouched."""
     from nanoqwen.runtime import driver
 
+    class Untimed:   # the bucket's kernels: a timed variant takes their shared-memory split
+        carveout = 37
+
     class Rows:
-        kernels = {4: {r: (spec, "untimed") for r, spec in step_specs(tiny_dims(), config.default(), m=4).items()}}
-        sequences = {4: [(r, "untimed", FakeLaunch(), {"h": 1}) for r, *_ in fake_sequence(2)]}
+        kernels = {4: {r: (spec, Untimed) for r, spec in step_specs(tiny_dims(), config.default(), m=4).items()}}
+        sequences = {4: [(r, Untimed, FakeLaunch(), {"h": 1}) for r, *_ in fake_sequence(2)]}
 
     def build_many(specs, progress=None, cfg=None):
         specs = list(specs)
@@ -333,11 +336,11 @@ def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
         def __init__(self, n):
             self.nbytes = n
     monkeypatch.setattr(codegen, "build_many", build_many)
-    monkeypatch.setattr(driver, "load", lambda spec: ("fn", spec.family))
+    monkeypatch.setattr(driver, "load", lambda spec, carveout: ("fn", spec.family, carveout))
     monkeypatch.setattr(driver, "DeviceBuffer", Table)
     seq, table = timeline.timed_rows(Rows, 4)
-    assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][:2] == ("embed", "untimed")
-    assert "probe" not in seq[0][3] and all(fn != "untimed" for _r, fn, *_ in seq[1:])
+    assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][:2] == ("embed", Untimed)
+    assert "probe" not in seq[0][3] and all(fn[0] == "fn" and fn[2] == 37 for _r, fn, *_ in seq[1:])
     assert table.nbytes == probe.table_bytes(len(seq) - 1)
     assert [a["probe"] for *_r, a in seq[1:]] == [4096 + 24 * i for i in range(len(seq) - 1)]
     assert all(a["h"] == 1 for *_r, a in seq) and all(a == {"h": 1} for *_r, a in Rows.sequences[4])

@@ -104,7 +104,8 @@ def timed_decoder(dec, cfg: config.Config | None = None):
     used = {role for role, *_ in dec.sequence}   # a session's decoder holds the prefill's kernels too
     specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in dec.kernels.items() if role in used}
     built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-    kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
+    kernels = {role: (spec, driver.load(b, carveout=dec.kernels[role][1].carveout))   # the untimed kernel's split
+               for (role, spec), b in zip(specs.items(), built)}
     return Decoder(dec.shared, kernels, pdl=dec.pdl, bufs=dec.bufs)
 
 
@@ -167,7 +168,7 @@ def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, ob
     specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in rows.kernels[m].items()
              if spec.timeable}
     built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-    fns = {role: driver.load(b) for role, b in zip(specs, built)}
+    fns = {role: driver.load(b, carveout=rows.kernels[m][role][1].carveout) for role, b in zip(specs, built)}
     seq = [(role, fns.get(role, fn), launch, dict(args)) for role, fn, launch, args in rows.sequences[m]]
     timed = [args for role, _fn, _launch, args in seq if role in fns]
     table = driver.DeviceBuffer(probe.table_bytes(len(timed)))

@@ -399,6 +399,7 @@ class Function:
         self.params = ArgPacker(signature, self.uri)
         self._module = module      # keeps the module alive as long as the function
         self._smem_limit = None    # dynamic shared memory a launch may take without raising the attribute
+        self.carveout = -1         # the shared-memory split it prefers, in percent (-1: the driver's choice)
 
     def attribute(self, attr) -> int:
         return check(cu.cuFuncGetAttribute(attr, self.handle), f"cuFuncGetAttribute({attr}) on {self.uri}")
@@ -408,6 +409,12 @@ class Function:
         check(cu.cuFuncSetAttribute(self.handle, A, int(nbytes)),
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) on {self.uri}")
         self._smem_limit = int(nbytes)
+
+    def set_carveout(self, percent: int) -> None:
+        A = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        check(cu.cuFuncSetAttribute(self.handle, A, int(percent)),
+              f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent}) on {self.uri}")
+        self.carveout = int(percent)
 
     def launch(self, launch, stream=None, pdl: bool = False, **args) -> None:
         grid, block, smem = _dims3(launch.grid), _dims3(launch.block), int(launch.smem)
@@ -462,9 +469,12 @@ class Module:
 _MODULES: dict[str, Module] = {}
 
 
-def load(built, signature=None) -> Function:
+def load(built, signature=None, carveout: int = -1) -> Function:
     """codegen Built -> Function. The signature comes from the built spec (`spec.signature`) unless
-    given; modules are cached by the cubin's hash so repeated loads are free."""
+    given; modules are cached by the cubin's hash so repeated loads are free. ``carveout``: the percentage
+    of the SM's L1 the kernel prefers as shared memory (the session's: config launch.smem_carveout for the one-row
+    step's kernels), or -1: the driver's choice. It is the function's attribute: it holds for every load of the
+    same cubin."""
     spec = getattr(built, "spec", None)
     if signature is None:
         signature = getattr(built, "signature", None) or getattr(spec, "signature", ())
@@ -473,7 +483,10 @@ def load(built, signature=None) -> Function:
     mod = _MODULES.get(key)
     if mod is None:
         mod = _MODULES[key] = Module(built.cubin, uri)
-    return mod.function(built.entry, signature, uri)
+    fn = mod.function(built.entry, signature, uri)
+    if carveout >= 0:
+        fn.set_carveout(carveout)
+    return fn
 
 
 # ---- graphs ------------------------------------------------------------------------------------

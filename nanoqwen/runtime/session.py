@@ -63,7 +63,8 @@ class CudaSession:
         layout = KVLayout.for_model(d, cfg, self.context, kv_tokens)
         chunked, chunk = prefill == "chunked", min(cfg.prefill.chunk_tokens, self.context)
         gpu = codegen.GpuProfile.from_props(props)
-        specs = step_specs(d, cfg, props.name, gpu) | (prefill_specs(d, cfg, gpu) if chunked else {})
+        step = step_specs(d, cfg, props.name, gpu)
+        specs = step | (prefill_specs(d, cfg, gpu) if chunked else {})
         # the multi-row step of each bucket above 1 (the speculative verify), roles prefixed "m<rows>."
         buckets = [m for m in cfg.multirow.buckets if m > 1]
         row_specs = {m: step_specs(d, cfg, props.name, gpu, m) for m in buckets}
@@ -83,7 +84,9 @@ class CudaSession:
         memory.check_fits(self.device_bytes, props.free_mem, props.total_mem, props.name)
         hits0, t1 = STATS.hits, time.perf_counter()
         built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-        kernels = {role: (spec, driver.load(b)) for (role, spec), b in zip(specs.items(), built)}
+        # the one-row step's kernels take its shared-memory split; the m-row steps' and prefill's the driver's
+        kernels = {role: (spec, driver.load(b, carveout=cfg.launch.smem_carveout if role in step else -1))
+                   for (role, spec), b in zip(specs.items(), built)}
         t2 = time.perf_counter()
         bar = Progress(w_bytes, "upload")
         self.weights = Weights(f, progress=bar, verify=verify)

@@ -108,7 +108,7 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
     from .. import codegen
     from ..runtime import driver
     m, base = specs[BASE].m, specs[BASE]
-    running = session.decoder.kernels[role][0] if m == 1 else session.rows.kernels[m][role][0]
+    running, running_fn = session.decoder.kernels[role] if m == 1 else session.rows.kernels[m][role]
     if running.uri != base.uri:
         raise NanoqwenError(f"{role}: the session runs {running.uri}, not the tuned {base.uri}")
     fresh = {label: spec for label, spec in specs.items() if m > 1 or label != BASE}
@@ -116,7 +116,8 @@ def judge(session, role: str, specs: dict, rounds: int, reps: int, context: int,
     steps = {}
     try:
         for label, spec in specs.items():
-            fn = driver.load(built[label]) if label in built else None
+            # a candidate takes the shared-memory split of the kernel it stands in for
+            fn = driver.load(built[label], carveout=running_fn.carveout) if label in built else None
             steps[label] = (_DecodeStep if m == 1 else _RowsStep)(session, role, spec, fn, context)
         times = {label: [] for label in steps}
         for label in rounds_order(list(steps), rounds):
