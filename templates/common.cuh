@@ -105,6 +105,11 @@ NQ_DEVICE uint4 ld_act_u4(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
+NQ_DEVICE int ld_act_i32(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 NQ_DEVICE float4 ld_act_f4(const float* p) {
     const uint4 v = ld_act_u4(p);
     return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));

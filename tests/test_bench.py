@@ -44,8 +44,11 @@ def test_7b_bytes_per_token_match_the_design_budget():
     total = mbu.step_bytes(D, 64)
     assert total == sum(r["total"] for r in rb.values())
     assert abs(total - 4.46e9) / 4.46e9 < 0.005, total
-    for r in rb.values():
-        assert r["total"] == r["weights"] + r["kv"] + r["activations"] and r["total"] > 0
+    for name, r in rb.items():   # the QKV GEMV does rope_append's work (gemv.with_rope): its region moves nothing
+        assert r["total"] == r["weights"] + r["kv"] + r["activations"] and (r["total"] > 0) == (name != "rope_append")
+    # the QKV GEMV's activations: h and the norm weight in, the bias, q_rot (fp32), k and v (fp16), a cos and a sin
+    qkv = D.hidden * 4 + D.hidden * 2 + 2 * (D.q_dim + 2 * D.kv_dim) + 4 * D.q_dim + 2 * 2 * D.kv_dim + 4 * D.head_dim
+    assert rb["qkv_gemv"]["activations"] == D.layers * qkv
 
 
 def test_kv_bytes_grow_with_context_only_in_attention():

@@ -223,8 +223,9 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     w, kv = sh.weights, sh.kv
     kernels = dec.kernels
     roles = [role for role, *_ in dec.sequence]
-    per_layer = ["qkv", "rope_append", "attention_decode", "attention_combine", "o_proj", "gate_up", "down"]
-    assert roles == ["embed"] + per_layer * d.layers + ["lm_head"]
+    # the QKV GEMV rotates q and k and appends k and v itself (gemv.with_rope): no rope_append
+    per_layer = ["qkv", "attention_decode", "attention_combine", "o_proj", "gate_up", "down"]
+    assert roles == ["embed"] + per_layer * d.layers + ["lm_head"] and kernels["qkv"][0].epilogue == "rope"
     buffers = [dec.bufs[n] for n in dec.bufs.names] + [sh.bufs[n] for n in sh.bufs.names] + \
         [w.base, kv.page_table, *kv.k, *kv.v]
     for role, fn, launch, args in dec.sequence:
@@ -240,6 +241,7 @@ def test_launch_sequence_matches_signatures(nqfile, monkeypatch):
     # the GEMV weight operands are the regions of their own layer
     qkv = [a for r, _, _, a in dec.sequence if r == "qkv"]
     assert qkv[1]["w0"] == w.ptr("L1.qkv.packed") and qkv[1]["bias"] == w.ptr("L1.qkv.bias")
+    assert (qkv[1]["k_pool"], qkv[1]["v_pool"]) == (kv.k_ptr(1), kv.v_ptr(1)) and qkv[1]["q_rot"] == dec.bufs.q_rot
     gu = [a for r, _, _, a in dec.sequence if r == "gate_up"][0]
     assert (gu["w0"], gu["w1"]) == (w.ptr("L0.gate.packed"), w.ptr("L0.up.packed"))
 

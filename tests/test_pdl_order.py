@@ -5,9 +5,11 @@ a stale residual; H200, 2026-12-02), so activations are read with coherent loads
 
 - kernels without weights (rope_append, attention, embed): no global load at all before the wait, except the
   M = 1 tensor-core attention's 32-bit reads of the position and the page table, which kernels that completed
-  before rope_append wrote (its producer copies the older K/V pages under rope_append); its q_rot, which
-  rope_append writes, comes after its consumers' wait (64-bit loads: none above the first);
-- GEMVs: the activation loads (ld_act_*: LDG...STRONG) all after the wait, weight loads (.nc) may precede it.
+  before the one ahead of it (the QKV GEMV with the rope, or rope_append) wrote (its producer copies the older
+  K/V pages under that kernel); its q_rot, which that kernel writes, comes after its consumers' wait (64-bit
+  loads: none above the first);
+- GEMVs: the activation loads (ld_act_*: LDG...STRONG) all after the wait, weight loads (.nc) may precede it;
+  the QKV GEMV with the rope lets its dependents start only after its wait (what the attention relies on).
 """
 
 from __future__ import annotations
@@ -17,19 +19,25 @@ import re
 import pytest
 
 from nanoqwen import codegen, config
-from nanoqwen.codegen import resources
+from nanoqwen.codegen import resources, tuned
 from nanoqwen.codegen.kernels import attention, embed, gemm, gemv
 from nanoqwen.dims import QWEN25_7B
 
 CFG = config.default()
 NO_WEIGHTS = [*attention.decode_specs(QWEN25_7B, CFG), embed.specs_for_model(QWEN25_7B, CFG)[0]]
-GEMVS = [gemv.role_spec(role, QWEN25_7B, CFG) for role in gemv.ROLES]
+# the config's tiles and each tuned GPU's one-row ones, the QKV GEMV with the rope (the position: a coherent load) too
+GEMVS = list(dict.fromkeys(gemv.specs_for_model(QWEN25_7B, CFG) + [s for s in tuned.tuned_specs(QWEN25_7B, CFG)
+                                                                     if s.m == 1]))
+
+
+def _sass(spec) -> list[str]:
+    if resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install '.[tools]'): cannot read SASS")
+    return [ln for ln in resources.sass(codegen.build(spec).cubin).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
 
 
 def _before_wait(spec) -> list[str]:
-    if resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None:
-        pytest.skip("cuobjdump/nvdisasm not installed (pip install '.[tools]'): cannot read SASS")
-    lines = [ln for ln in resources.sass(codegen.build(spec).cubin).splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    lines = _sass(spec)
     waits = [i for i, ln in enumerate(lines) if "ACQBULK" in ln]
     assert waits, f"{spec.uri}: no griddepcontrol.wait in the SASS"
     return lines[:waits[0]]
@@ -62,3 +70,14 @@ def test_rmsnorm_prefill_reads_h_after_the_wait():
     assert not early, f"{spec.uri}: global loads before griddepcontrol.wait: {early[:4]}"
     sass = resources.sass(codegen.build(spec).cubin)
     assert "STRONG" in sass, f"{spec.uri}: h not read with coherent (ld_act) loads"
+
+
+@pytest.mark.parametrize("spec", [s for s in GEMVS if s.epilogue == "rope"], ids=lambda s: s.uri)
+def test_the_rope_gemv_lets_its_dependents_start_after_its_wait(spec):
+    """The decode attention after the QKV GEMV with the rope reads the position and the older pages before its
+    own wait, which is right only if every kernel before the GEMV has completed when the attention starts: the
+    GEMV's griddepcontrol.launch_dependents (SASS PREEXIT) comes after its wait (ACQBULK)."""
+    lines = _sass(spec)
+    wait = next(i for i, ln in enumerate(lines) if "ACQBULK" in ln)
+    trigger = [i for i, ln in enumerate(lines) if "PREEXIT" in ln]
+    assert trigger and min(trigger) > wait, f"{spec.uri}: launch_dependents before griddepcontrol.wait"

@@ -9,7 +9,9 @@ layers. Counted per region:
                the new one included) plus the page-table entries
   activations  vectors in and out (GemvInt4Spec.io_bytes: fp32 h + fp16 norm weight for a
                normed input, fp32 residual read + written, fp16 bias), q/k/v in rope_append and the
-               fp16 k/v it appends, q_rot and o16 around attention, the fp32 logits lm_head writes
+               fp16 k/v it appends (the QKV GEMV's outputs where it does rope_append's work itself,
+               gemv.with_rope: then the rope_append region is empty), q_rot and o16 around attention, the fp32
+               logits lm_head writes
 The attention split partials stay out: they live between two kernels of one region, in L2.
 For the 7B at small context this is 3.37 GB of INT4 weights + 1.09 GB of lm_head, ~4.46 GB per token."""
 
@@ -39,13 +41,18 @@ def region_bytes(dims: ModelDims, context: int, cfg: Config | None = None) -> di
         raise ValueError(f"context must be >= 1 token, got {context}")
     out = {r: {"weights": 0, "kv": 0, "activations": 0} for r in REGIONS}
     out["embed"].update(weights=d.hidden * F16, activations=d.hidden * F32 + I32)   # one row in, fp32 h out
+    fused = False
     for role, region in GEMV_REGION.items():
         spec = gemv.role_spec(role, d, cfg)
+        if role == "qkv":   # the one-row step's QKV GEMV as runtime/decoder.step_specs makes it
+            spec = gemv.with_rope(spec, d, cfg.kv_cache.page_size) or spec
+            fused = spec.epilogue == "rope"
         out[region]["weights"] = L * spec.weight_bytes()
         out[region]["activations"] = L * spec.io_bytes()
-    qkv_n = d.q_dim + 2 * d.kv_dim
-    rope = qkv_n * F32 + 2 * (d.head_dim // 2) * F32 + d.q_dim * F32 + 2 * d.kv_dim * F16   # in, cos/sin, out
-    out["rope_append"]["activations"] = L * rope
+    if not fused:
+        qkv_n = d.q_dim + 2 * d.kv_dim
+        rope = qkv_n * F32 + 2 * (d.head_dim // 2) * F32 + d.q_dim * F32 + 2 * d.kv_dim * F16   # in, cos/sin, out
+        out["rope_append"]["activations"] = L * rope
     pages = -(-context // cfg.kv_cache.page_size)
     out["paged_attention"]["kv"] = L * (2 * d.kv_dim * context * F16 + pages * I32)
     out["paged_attention"]["activations"] = L * (d.q_dim * F32 + d.q_dim * F16)           # q_rot in, o16 out

@@ -67,14 +67,16 @@ def _tuned(key: str, make, default, base: str | None = None, kind: str = "kernel
 
 
 def tuned_specs(dims: ModelDims, cfg: config.Config) -> list[gemv.GemvInt4Spec]:
-    """Every GEMV the decoder builds, m = 1 and each multirow bucket, for each GPU and role the store has a
-    tuned entry for (any m): CI compiles them too (no spills)."""
+    """Every GEMV the decoder builds, m = 1 and each multirow bucket (and the one-row step's QKV GEMV with the
+    rope, gemv.with_rope), for each GPU and role the store has a tuned entry for (any m): CI compiles them too
+    (no spills)."""
     keys = tuned_store.merged_entries()
     gpus = sorted({k.split("|")[0] for k in keys})
     tuned = [(gpu, role) for gpu in gpus for role in gemv.ROLES
              if any(entry_key(role, dims, cfg, gpu, m) in keys for m in cfg.multirow.buckets)]
     specs = [role_spec(role, dims, cfg, gpu, m) for gpu, role in tuned for m in cfg.multirow.buckets]
-    return list(dict.fromkeys(specs))
+    fused = [gemv.with_rope(s, dims, cfg.kv_cache.page_size) for s in specs if s.epilogue == "bias"]
+    return list(dict.fromkeys(specs + [s for s in fused if s]))
 
 
 def attention_key(dims: ModelDims, cfg: config.Config, gpu: str, m: int = 1) -> str:

@@ -1,9 +1,11 @@
 """One decode step (batch 1) as a fixed launch sequence over buffers allocated once, run eagerly or as one
 replayed CUDA graph.
 
-Step (docs/architecture.md, "Decode step"): embed; per layer qkv GEMV (RMSNorm prologue + bias) ->
-rope_append -> attention_decode -> attention_combine -> o_proj GEMV (+= h) -> gate/up GEMV (RMSNorm
-prologue + SwiGLU) -> down GEMV (+= h); lm_head_argmax (final norm, argmax, state advance).
+Step (docs/architecture.md, "Decode step"): embed; per layer qkv GEMV (RMSNorm prologue + bias, and RoPE +
+the K/V append in its epilogue) -> attention_decode -> attention_combine -> o_proj GEMV (+= h) -> gate/up GEMV
+(RMSNorm prologue + SwiGLU) -> down GEMV (+= h); lm_head_argmax (final norm, argmax, state advance). The m-row
+steps (runtime/rowstep.py), and a QKV tile that cannot carry the rope (gemv.with_rope), run rope_append after
+the QKV GEMV instead: the same bits.
 
 Graph scheme: ONE graph, captured once, replayed for every position. Every kernel argument is a fixed
 device address; what changes per step (token, position, step index) lives in the device state
@@ -37,16 +39,20 @@ def step_specs(dims, cfg, gpu: str | None = None, profile: GpuProfile = DEFAULT_
     """Role -> kernel spec of one decode step of ``m`` rows, each from its family's own constructor; the
     GEMVs and the attention take this GPU's tuned parameters (tune/tuned.json) when there are any (m > 1:
     the m-row kernel of that tile, every row reduced in its order), grids fill the ``profile``'s SMs. m > 1
-    embeds its rows with the prefill's embed (a copy, the same bits)."""
+    embeds its rows with the prefill's embed (a copy, the same bits). m = 1: the QKV GEMV does rope_append's
+    work in its epilogue where its tile allows (gemv.with_rope), and the step has no rope_append."""
     rope_append, attention_decode, attention_combine = tuned.attention_specs(dims, cfg, gpu, m, profile)
     gemvs = {role: tuned.role_spec(role, dims, cfg, gpu, m, profile) for role in gemv.ROLES}
+    fused = gemv.with_rope(gemvs["qkv"], dims, cfg.kv_cache.page_size)   # None for m > 1
+    if fused:
+        gemvs["qkv"] = fused
     apart = cfg.multirow.apart_roles(m)
     return {"embed": embed.specs_for_model(dims, cfg)[0] if m == 1 else embed_prefill.specs_for_model(dims, cfg)[0],
             **gemvs, **{role: gemv.norm_apart(gemvs[role]) for role in apart},
             # multirow.norm_apart: x16 = RMSNorm(h) over the m rows, then the GEMV
             **{norm_role(role): gemm.RmsnormPrefillSpec(hidden=dims.hidden, eps=dims.rms_eps, max_m=m)
                for role in apart},
-            "rope_append": rope_append, "attention_decode": attention_decode,
+            **({} if fused else {"rope_append": rope_append}), "attention_decode": attention_decode,
             "attention_combine": attention_combine, "lm_head": lm_head.model_spec(dims, cfg, profile, m)}
 
 
@@ -55,7 +61,7 @@ def buffer_bytes(dims, specs: dict, m: int = 1) -> dict[str, int]:
     d = dims
     acc_bytes, ml_bytes = attention.partial_bytes(specs["attention_decode"])
     return {"h": 4 * m * d.hidden,                          # fp32 residual stream
-            "qkv": 4 * m * (d.q_dim + 2 * d.kv_dim),        # fp32 q | k | v
+            **({"qkv": 4 * m * (d.q_dim + 2 * d.kv_dim)} if "rope_append" in specs else {}),   # fp32 q | k | v
             "q_rot": 4 * m * d.q_dim,
             "part_acc": acc_bytes, "part_ml": ml_bytes,      # attention split partials (m rows in the spec)
             "o16": 2 * m * d.q_dim,
@@ -74,7 +80,8 @@ def add_layer(add, i: int, W, kv, st, b, where: dict, roles=frozenset(), m: int 
     kernel through ``add(role, **args)``. ``where`` says where the rows' positions and page table come
     from: the device state and the KV cache's table (the decode step), or a positions array and the rows'
     own tables (the multi-row step, runtime/rowstep.py). ``roles``: the step's kernels, which say whose
-    RMSNorm runs apart (``norm_role``), over its ``m`` rows."""
+    RMSNorm runs apart (``norm_role``), over its ``m`` rows, and whether rope_append runs (else the QKV GEMV
+    rotates q and k and appends k and v itself)."""
     L = f"L{i}."
 
     def normed(role, norm_w, **args):   # the GEMV of RMSNorm(h): the norm in its prologue, or in a kernel before
@@ -84,10 +91,13 @@ def add_layer(add, i: int, W, kv, st, b, where: dict, roles=frozenset(), m: int 
         else:
             add(role, h=b.h, norm_w=norm_w, **args)
 
-    normed("qkv", W(L + "input_norm"), w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), bias=W(L + "qkv.bias"),
-           y=b.qkv)
-    add("rope_append", **where, qkv=b.qkv, rope_cos=st.cos, rope_sin=st.sin,
-        q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
+    qkv = dict(w0=W(L + "qkv.packed"), s0=W(L + "qkv.scales"), bias=W(L + "qkv.bias"))
+    rope = dict(**where, rope_cos=st.cos, rope_sin=st.sin, q_rot=b.q_rot, k_pool=kv.k_ptr(i), v_pool=kv.v_ptr(i))
+    if "rope_append" in roles:
+        normed("qkv", W(L + "input_norm"), **qkv, y=b.qkv)
+        add("rope_append", qkv=b.qkv, **rope)
+    else:
+        normed("qkv", W(L + "input_norm"), **qkv, **rope)
     add("attention_decode", **where, q_rot=b.q_rot, k_pool=kv.k_ptr(i),
         v_pool=kv.v_ptr(i), part_acc=b.part_acc, part_ml=b.part_ml)
     add("attention_combine", part_acc=b.part_acc, part_ml=b.part_ml, o16=b.o16)
@@ -124,7 +134,8 @@ class Decoder:
 
         add("embed", state=st.state, embed=W("embed"), h=b.h, err=st.err, argmax_done=st.argmax_done)
         for i in range(d.layers):
-            add_layer(add, i, W, kv, st, b, where={"state": st.state, "page_table": kv.page_table})
+            add_layer(add, i, W, kv, st, b, where={"state": st.state, "page_table": kv.page_table},
+                      roles=frozenset(self.kernels))
         add("lm_head", h=b.h, norm_w=W("final_norm"), lm_head=W("lm_head"), logits=st.logits,
             state=st.state, tokens_out=st.tokens_out, tokens_cap=sh.capacity, partials=b.partials,
             argmax_done=st.argmax_done, err=st.err)

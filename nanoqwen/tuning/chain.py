@@ -54,8 +54,19 @@ def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.C
     one = tuned.role_spec(role, dims, cfg, gpu)
     base = tuned.role_spec(role, dims, cfg, gpu, m)
     fields = space.tile_fields() if m == 1 else set(gemv.MULTIROW_TILE)
-    # the step runs the role's norm apart at this m (config multirow.norm_apart): so do its variants
+    # the step runs the role's norm apart at this m (config multirow.norm_apart), and the one-row step's QKV GEMV
+    # with the rope in its epilogue where the tile allows (runtime/decoder.step_specs): so do its variants
     apart = role in cfg.multirow.apart_roles(m)
+    page = cfg.kv_cache.page_size
+    fused = role == "qkv" and gemv.with_rope(base, dims, page) is not None
+
+    def as_run(text, spec):
+        if fused:
+            spec = gemv.with_rope(spec, dims, page)
+            if spec is None:
+                raise NanoqwenError(f"{role}:{text}: the step's QKV GEMV carries the rope, and this tile cannot")
+        return gemv.norm_apart(spec) if apart else spec
+
     specs = {BASE: base}
     for text in variants:
         try:
@@ -64,7 +75,7 @@ def variant_specs(role: str, variants: list[str], dims: ModelDims, cfg: config.C
                                                                                                    tile=tile)
         except SpecError as e:
             raise NanoqwenError(f"{role}:{text}: {e}") from None
-    return {label: gemv.norm_apart(spec) if apart else spec for label, spec in specs.items()}
+    return {label: as_run(label, spec) for label, spec in specs.items()}
 
 
 def top_variants(role: str, k: int, dims: ModelDims, cfg: config.Config, gpu: str, done: dict,

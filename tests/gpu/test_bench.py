@@ -46,8 +46,10 @@ def test_json_is_complete_with_positive_figures(bench):
     m = r["mbu"]
     assert m["bytes_per_token"] == mbu.step_bytes(ModelDims(**r["model"]["dims"]), P + G // 2)
     assert 0 < m["decode_mbu"] < 1.05 and m["floor_ms_per_token"] > 0
-    for reg in mbu.REGIONS:
-        assert r["itl"]["regions_ms"][reg] > 0 and m["regions"][reg]["mbu"] > 0, reg
+    for reg in mbu.REGIONS:   # a region without kernels (rope_append: the QKV GEMV does its work) moves nothing
+        moves = m["regions"][reg]["total"] > 0
+        assert (r["itl"]["regions_ms"][reg] > 0) == moves and (m["regions"][reg]["mbu"] > 0) == moves, reg
+    assert all(m["regions"][reg]["total"] > 0 for reg in mbu.REGIONS if reg != "rope_append")
     print(json.dumps({k: r[k] for k in ("latency", "itl")}, indent=1), file=sys.stderr)
 
 

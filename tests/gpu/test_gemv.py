@@ -33,9 +33,10 @@ TOL = CFG.validation.gemv_rel_tol
 MASSIVE_SEED = 2026   # the massive-activation input (see test_massive_activations_stay_finite_and_exact)
 RUN_SEED = np.random.SeedSequence().entropy   # every other input: fresh each run
 MODELS = {"7b": QWEN25_7B, "tiny": tiny_dims()}
-# every variant, plus every tuned tile tune/tuned.json holds (tuned kernels must be as right as the defaults)
+# every variant, plus every tuned tile tune/tuned.json holds (tuned kernels must be as right as the defaults); the
+# rope epilogue writes rope_append's outputs, not y: tests/gpu/test_attention.py checks it against rope_append
 CASES = [(m, s) for m, d in MODELS.items()
-         for s in dict.fromkeys(gemv.variants(d, CFG) + tuned.tuned_specs(d, CFG))]
+         for s in dict.fromkeys(gemv.variants(d, CFG) + tuned.tuned_specs(d, CFG)) if s.epilogue != "rope"]
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +251,66 @@ def test_norm_apart_rows_are_the_fused_norm_rows(multirow_fns, norm_apart_fns, o
         assert np.array_equal(bits(out[a]), bits(alone[a])), (
             f"{apart.uri} after {NORM.uri}: row {a} differs from {one.uri} in "
             f"{np.count_nonzero(bits(out[a]) != bits(alone[a]))} of {one.n} outputs (seed {RUN_SEED})")
+
+
+# The rope epilogue (gemv.with_rope) on every QKV tile the step may run (the config's, each tuned GPU's) and on tiles
+# that pair rows every way the template does: tensor cores 2 and 4 rows a lane group, CUDA cores 8, 16 and 32 lanes.
+ROPE_TILES = [{}, gemv.MMA_TILE, {**gemv.MMA_TILE, "rows": 4}, dict(lanes=32, rows=2, warps=4),
+              dict(lanes=8, rows=1, warps=4), dict(lanes=16, rows=2, warps=4)]
+ROPE_CASES = list(dict.fromkeys(
+    (m, s) for m, d in MODELS.items()
+    for s in [gemv.role_spec("qkv", d, CFG, **t) for t in ROPE_TILES] + [
+        tuned.role_spec("qkv", d, CFG, gpu) for gpu in sorted({k.split("|")[0] for k in store.merged_entries()})]
+    if gemv.with_rope(s, d, CFG.kv_cache.page_size)))
+
+
+@pytest.mark.parametrize("model,spec", ROPE_CASES, ids=[f"{m}-{s.uri}" for m, s in ROPE_CASES])
+def test_rope_epilogue_is_the_gemv_then_rope_append(model, spec):
+    """The QKV GEMV with rope_append's work in its epilogue gives bit for bit what the GEMV (bias) and then
+    rope_append give: q_rot, and the k and v it writes into the page slot of the position (every other slot
+    unchanged), at page boundaries and the last position. Class (a): the tile's rows are other weight rows, each
+    row's arithmetic the GEMV's, then rope_append's per pair (templates/gemv_int4.cu.j2)."""
+    from nanoqwen.codegen.kernels import attention
+    from nanoqwen.runtime.paged_kv import KVLayout, PageTable
+    d, page = MODELS[model], CFG.kv_cache.page_size
+    fused = gemv.with_rope(spec, d, page)
+    rope = attention.decode_specs(d, CFG)[0]
+    fn, fused_fn, rope_fn = (driver.load(b) for b in codegen.build_many([spec, fused, rope]))
+    rng = np.random.default_rng(RUN_SEED % 2**32)
+    tokens = 4096
+    lay = KVLayout(layers=1, kv_heads=d.kv_heads, head_dim=d.head_dim, page_size=page, num_pages=tokens // page + 4,
+                   max_positions=tokens)
+    pages = PageTable(lay, order=rng.permutation(lay.num_pages))
+    pages.reserve(tokens)
+    cos, sin = R.rope_tables(d, tokens)
+    pool0 = rng.standard_normal(lay.pool_shape).astype(np.float16)
+    case = GemvCase.seeded(spec, RUN_SEED)
+    bufs = {n: driver.DeviceBuffer.from_array(a) for n, a in (
+        ("rope_cos", cos), ("rope_sin", sin), ("page_table", pages.table), ("k_pool", pool0), ("v_pool", pool0))}
+    bufs["q_rot"] = driver.DeviceBuffer(4 * d.q_dim)
+    try:
+        for pos in (0, 15, 16, 37, tokens - 1, int(rng.integers(0, tokens))):
+            state = driver.DeviceBuffer.from_array(np.array([0, pos, 0, 0], np.int32))
+            outs = []
+            for run in ("apart", "fused"):
+                bufs["k_pool"].upload(pool0)
+                bufs["v_pool"].upload(pool0)
+                bufs["q_rot"].poison()
+                if run == "apart":
+                    fn.launch(spec.launch(), None, False, **case.args(0))
+                    rope_fn.launch(rope.launch(), None, False, qkv=case.y, state=state, **bufs)
+                else:
+                    args = {k: v for k, v in case.args(0).items() if k != "y"}
+                    fused_fn.launch(fused.launch(), None, False, **args, state=state, **bufs)
+                driver.device().synchronize()
+                outs.append([bufs["q_rot"].download(dtype=np.float32), bufs["k_pool"].download(dtype=np.float16),
+                             bufs["v_pool"].download(dtype=np.float16)])
+            state.free()
+            for name, a, b in zip(("q_rot", "k_pool", "v_pool"), *outs):
+                assert np.isfinite(a).all() and np.array_equal(bits(a), bits(b)), (
+                    f"{fused.uri} at position {pos}: {name} differs from {spec.uri} + rope_append in "
+                    f"{np.count_nonzero(bits(a) != bits(b))} values (seed {RUN_SEED})")
+    finally:
+        case.free()
+        for b in bufs.values():
+            b.free()

@@ -8,8 +8,11 @@ Kernel parameters, in order (``kernel_params``; the C++ list and the launch pack
   w1, s1            SwiGLU only: the up weights and scales
   h, norm_w         norm=True: fp32 residual h [m, K] and fp16 norm weight [K] (x = f16(rmsnorm(h) * w))
   x                 norm=False: fp16 activations [m, K]
-  bias              epilogue "bias": fp16 [N]
+  bias              epilogues "bias" and "rope": fp16 [N]
   y                 output [m, N]: fp32 (or fp16 when out_f16); "residual": fp32 h updated in place, h += W x
+  state, page_table, rope_cos, rope_sin, q_rot, k_pool, v_pool
+                    epilogue "rope" (the one-row step's QKV GEMV, in place of y): rope_append's inputs and outputs
+                    (codegen/kernels/attention.py RopeAppendSpec), on W x + bias
 A parameter the variant does not take is a null constant in its source (Param.null_constant).
 """
 
@@ -24,7 +27,7 @@ from ..gpu import DEFAULT, THREADS_PER_SM, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out, whole_splits
 from .gemm import NORM_THREADS
 
-EPILOGUES = ("plain", "bias", "residual", "swiglu")
+EPILOGUES = ("plain", "bias", "residual", "swiglu", "rope")
 MAX_M = config.MAX_ROWS                         # activation rows of the multi-row step
 SMEM_MARGIN = 4096   # a CTA's static shared memory (reductions, split-K partials) + the 1 KB sm_90 reservation
 STATIC_SMEM_MAX = 48 * 1024   # a kernel's static __shared__ arrays, at most
@@ -42,11 +45,12 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     uri_fields = ("epilogue", "n", "k", "norm", "mma", "kwarps", "rows", "lanes", "warps", "tiles_per_warp",
                   "splitk", "m", "l2_fetch", "ctas_per_sm")
     # earlier kernels keep their names
-    late_fields = KernelSpec.late_fields + ("mma", "kwarps", "l2_fetch", "ctas_per_sm")
+    late_fields = KernelSpec.late_fields + ("mma", "kwarps", "l2_fetch", "ctas_per_sm", "head_dim", "heads", "kv_heads",
+                                            "page_size")
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
-    epilogue: str = "plain"        # plain | bias | residual | swiglu
+    epilogue: str = "plain"        # plain | bias | residual | swiglu | rope (bias, then rope_append's work: ``with_rope``)
     norm: bool = False             # RMSNorm prologue (input fp32 h + fp16 norm weight)
     out_f16: bool = False          # fp16 saturated output (required for swiglu, refused for residual)
     eps: float = 1e-6              # RMSNorm epsilon (used only with norm)
@@ -65,6 +69,10 @@ class GemvInt4Spec(VariantParams, KernelSpec):
     l2_fetch: int = 0              # bytes the L2 fetches around a weight miss: 0 (the sectors asked for), 64, 128, 256
     ctas_per_sm: int = 0           # m > 1: CTAs an SM must hold at once (__launch_bounds__ caps the registers; the
                                    # grid is fitted to them); 0: as many as the staged x allows
+    head_dim: int = 0              # rope: the heads of q | k | v (n = (heads + 2 kv_heads) head_dim) and the KV page
+    heads: int = 0
+    kv_heads: int = 0
+    page_size: int = 0
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -154,21 +162,27 @@ class GemvInt4Spec(VariantParams, KernelSpec):
 
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
-        swiglu = self.epilogue == "swiglu"
+        swiglu, rope = self.epilogue == "swiglu", self.epilogue == "rope"
         return ((inp("w0", "uint4"), True), (inp("s0", "f16"), True),
                 (inp("w1", "uint4"), swiglu), (inp("s1", "f16"), swiglu),
                 (inp("h", "float", restrict=False, note="written by the previous kernel: no .nc"), self.norm),
                 (inp("norm_w", "f16"), self.norm),
                 (inp("x", "f16", restrict=False, note="written by the previous kernel: no .nc"), not self.norm),
-                (inp("bias", "f16"), self.epilogue == "bias"),
-                (out("y", "f16" if self.out_f16 else "float"), True))
+                (inp("bias", "f16"), self.epilogue in ("bias", "rope")),
+                (out("y", "f16" if self.out_f16 else "float"), not rope),
+                (inp("state", "int", restrict=False, note="the position, advanced by the previous step: no .nc"), rope),
+                (inp("page_table", "int"), rope), (inp("rope_cos", "float"), rope), (inp("rope_sin", "float"), rope),
+                (out("q_rot", "float"), rope), (out("k_pool", "f16"), rope), (out("v_pool", "f16"), rope))
 
     def io_bytes(self) -> int:
         """Activation bytes one call moves beside the weights, for all m rows: x (or h + the norm weight),
         bias, y (read + write for the residual)."""
         x = self.m * self.k * 4 + self.k * 2 if self.norm else self.m * self.k * 2
         y = self.m * self.n * (2 if self.out_f16 else 4) * (2 if self.epilogue == "residual" else 1)
-        return x + y + (2 * self.n if self.epilogue == "bias" else 0)
+        if self.epilogue == "rope":   # q_rot fp32, k and v fp16, a cos and a sin a pair
+            kv = 2 * self.kv_heads * self.head_dim
+            y = 4 * (self.n - kv) + 2 * kv + 4 * self.head_dim
+        return x + y + (2 * self.n if self.epilogue in ("bias", "rope") else 0)
 
     def weight_bytes(self) -> int:
         """Bytes of packed weights + scales one call reads (the bandwidth numerator)."""
@@ -219,6 +233,8 @@ class GemvInt4Spec(VariantParams, KernelSpec):
             raise SpecError(f"{f}: swiglu output feeds the down GEMV and must be fp16 (out_f16=True)")
         if self.epilogue == "residual" and self.out_f16:
             raise SpecError(f"{f}: the residual stream is fp32 (out_f16 must be False)")
+        if self.epilogue == "rope":
+            self._validate_rope()
         if not 0 <= self.unroll <= self.witers:
             raise SpecError(f"{f}.unroll={self.unroll} must be 0..{self.witers} (the chunk iterations per lane)")
         if not 1 <= self.m <= MAX_M:
@@ -241,6 +257,30 @@ class GemvInt4Spec(VariantParams, KernelSpec):
             self.launch()   # the grid within the CUDA limits
         except SpecError as e:
             raise SpecError(f"{f}: {e}") from None
+
+    def _validate_rope(self) -> None:
+        f = self.family
+        if min(self.head_dim, self.heads, self.kv_heads, self.page_size) <= 0 or self.head_dim % 2 or self.out_f16:
+            raise SpecError(f"{f}: rope needs positive head_dim (even), heads, kv_heads and page_size and fp32 "
+                            f"math, got {self.head_dim}, {self.heads}, {self.kv_heads}, {self.page_size}")
+        if self.n != (self.heads + 2 * self.kv_heads) * self.head_dim:
+            raise SpecError(f"{f}: rope's n={self.n} must be the q | k | v heads, "
+                            f"({self.heads} + 2 x {self.kv_heads}) x {self.head_dim}")
+        problem = self.rope_tile_problem()
+        if problem:
+            raise SpecError(f"{f}: {problem}")
+
+    def rope_tile_problem(self) -> str | None:
+        """Why this tile cannot carry the rope epilogue (None: it can)."""
+        pairs = self.tile_rows // 2
+        if self.m != 1 or self.splitk != 1 or self.tiles_per_warp != 1:
+            return (f"rope is the one-row step's epilogue over one K split and one tile a warp, got m={self.m}, "
+                    f"splitk={self.splitk}, tiles_per_warp={self.tiles_per_warp}")
+        if (self.tile_rows % 2 or (self.head_dim // 2) % pairs or (self.mma and pairs % 8)
+                or (not self.mma and self.lanes == 32 and self.rows < 2)):
+            return (f"a rope tile holds whole rotation pairs: {self.tile_rows} rows do not split into pairs "
+                    f"(j, j + {self.head_dim // 2}) of one head")
+        return None
 
     def context(self) -> dict:
         return super().context() | dict(
@@ -277,6 +317,19 @@ _ROLE_VARIANT = {
     "gate_up": dict(epilogue="swiglu", norm=True, out_f16=True),
     "down": dict(epilogue="residual"),
 }
+
+
+def with_rope(spec: GemvInt4Spec, dims: ModelDims, page_size: int) -> GemvInt4Spec | None:
+    """The QKV GEMV ``spec`` (epilogue bias) carrying rope_append's work in its epilogue (every row's bits
+    unchanged: the template's header), or None where its tile cannot (a K split, several tiles a warp, ...)."""
+    if spec.epilogue != "bias":
+        raise SpecError(f"{spec.family}: with_rope takes the QKV GEMV (epilogue bias), got {spec.epilogue!r}")
+    out = dataclasses.replace(spec, epilogue="rope", head_dim=dims.head_dim, heads=dims.heads,
+                              kv_heads=dims.kv_heads, page_size=page_size)
+    if out.rope_tile_problem():
+        return None
+    out.validate()
+    return out
 
 
 def _fit(value: int, limit: int) -> int:
@@ -354,14 +407,19 @@ def multirow_spec(spec: GemvInt4Spec, m: int, cfg: config.Config | None = None,
 
 
 def specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
+    """The decoder-layer roles' GEMVs, and the one-row step's QKV GEMV with the rope (``with_rope``)."""
+    specs = _role_specs(dims, cfg)
+    return specs + [s for s in [with_rope(specs[0], dims, cfg.kv_cache.page_size)] if s]
+
+
+def _role_specs(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
     dims.check_quantizable(cfg.quant.group_size)
     return [role_spec(role, dims, cfg) for role in ROLES]
 
 
 def multirow_specs_for_model(dims: ModelDims, cfg: config.Config, gpu: GpuProfile = DEFAULT) -> list[GemvInt4Spec]:
     """The m > 1 kernels of the decoder-layer roles, one per multirow bucket (config multirow.buckets)."""
-    return [multirow_spec(spec, m, cfg, gpu) for spec in specs_for_model(dims, cfg, gpu)
-            for m in cfg.multirow.buckets if m > 1]
+    return [multirow_spec(spec, m, cfg, gpu) for spec in _role_specs(dims, cfg) for m in cfg.multirow.buckets if m > 1]
 
 
 def norm_apart(spec: GemvInt4Spec) -> GemvInt4Spec:
@@ -407,7 +465,7 @@ def mma_variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
 def variants(dims: ModelDims, cfg: config.Config) -> list[GemvInt4Spec]:
     """The decoder-layer kernels (CUDA cores and tensor cores) plus every other epilogue / prologue / output
     combination on the o_proj shape: what the tests compile and check."""
-    specs = specs_for_model(dims, cfg) + mma_variants(dims, cfg)
+    specs = _role_specs(dims, cfg) + mma_variants(dims, cfg)
     n, k = role_shape("o_proj", dims)
     base = dict(n=n, k=k, eps=float(dims.rms_eps), group=cfg.quant.group_size, lane_offsets=quant.BIT_OFFSETS)
     specs += [
