@@ -14,17 +14,32 @@ NQ_DEVICE float softmax_ref(float m2) { return m2 == NQ_NEG_INF ? 0.f : m2; }
 // Merges the parts of one query head: weight of part j is exp2(m_j - max_j m_j).
 NQ_DEVICE float part_weight(float m_part, float m_ref) { return exp2f(m_part - m_ref); }
 
-// Merged output of one query head (one dim) from `splits` partials: split s's (m2, l) at ml[s * ml_step],
-// its acc at acc[s * acc_step]. At least one split must have seen a key (l > 0).
-NQ_DEVICE float merge_partials(const float* ml, const float* acc, int splits, int ml_step, int acc_step) {
+// Merged output of one query head (one dim) from SPLITS partials: split s's (m2, l) at ml[s * ml_step], its acc
+// at acc[s * acc_step]. At least one split must have seen a key (l > 0). The first AHEAD splits' partials are
+// all loaded before the first is used (volatile loads keep their order: one L2 round trip, where ptxas spread
+// plain loads over two or three waves to save registers); more would spill, and load where used. The merge's
+// arithmetic is the two loops, whichever way a partial arrived.
+template <int SPLITS>
+NQ_DEVICE float merge_partials(const float* ml, const float* acc, int ml_step, int acc_step) {
+    constexpr int AHEAD = SPLITS < 40 ? SPLITS : 40;   // three registers a split
+    float m2[AHEAD], l[AHEAD], a[AHEAD];
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+        m2[s] = ld_volatile_f32(ml + s * ml_step);
+        l[s] = ld_volatile_f32(ml + s * ml_step + 1);
+        a[s] = ld_volatile_f32(acc + s * acc_step);
+    }
+    auto m2_of = [&](int s) { return s < AHEAD ? m2[s] : ld_volatile_f32(ml + s * ml_step); };
     float m = NQ_NEG_INF;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[s * ml_step]);
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) m = fmaxf(m, m2_of(s));
     const float ref = softmax_ref(m);
     float num = 0.f, den = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float w = part_weight(ml[s * ml_step], ref);
-        num = fmaf(acc[s * acc_step], w, num);
-        den = fmaf(ml[s * ml_step + 1], w, den);
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) {
+        const float w = part_weight(m2_of(s), ref);
+        num = fmaf(s < AHEAD ? a[s] : ld_volatile_f32(acc + s * acc_step), w, num);
+        den = fmaf(s < AHEAD ? l[s] : ld_volatile_f32(ml + s * ml_step + 1), w, den);
     }
     return num / den;
 }

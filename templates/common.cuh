@@ -105,6 +105,13 @@ NQ_DEVICE uint4 ld_act_u4(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
+// A batch of small activation loads that must all be in flight before the first is used: PTX volatile loads
+// keep their program order in the SASS, where ptxas may spread weak ones over several round trips.
+NQ_DEVICE float ld_volatile_f32(const float* p) {
+    float v;
+    asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
 NQ_DEVICE int ld_act_i32(const int* p) {
     int v;
     asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
