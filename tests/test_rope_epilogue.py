@@ -1,7 +1,8 @@
 """The QKV GEMV with rope_append's work in its epilogue (gemv.with_rope) on the CPU: which tiles can carry it,
 that the one-row step runs it in place of rope_append (the m-row steps, and a tile that cannot, keep
 rope_append), and that it compiles where the template pairs rows each way. That its q_rot and K/V pages are
-bitwise the GEMV's and then rope_append's is tests/gpu/test_gemv.py's test_rope_epilogue_is_the_gemv_then_rope_append."""
+bitwise the GEMV's and then rope_append's is tests/gpu/test_gemv.py's
+test_rope_epilogue_is_the_gemv_then_rope_append."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_with_rope_keeps_the_tile_and_compiles(tile):
     assert replace(fused, epilogue="bias", head_dim=0, heads=0, kv_heads=0, page_size=0) == spec
     assert fused.launch() == spec.launch()
     names = [n for n, _ in fused.signature]
-    assert "y" not in names and {"state", "page_table", "rope_cos", "rope_sin", "q_rot", "k_pool", "v_pool"} <= set(names)
+    rope = {"state", "page_table", "rope_cos", "rope_sin", "q_rot", "k_pool", "v_pool"}
+    assert "y" not in names and rope <= set(names)
     r = codegen.build(fused).resources
     assert (r.spill_stores, r.spill_loads, r.local_bytes) == (0, 0, 0)
 

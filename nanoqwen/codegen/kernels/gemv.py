@@ -50,7 +50,7 @@ class GemvInt4Spec(VariantParams, KernelSpec):
 
     n: int                         # output rows (per weight tensor; SwiGLU: the intermediate size)
     k: int                         # inputs
-    epilogue: str = "plain"        # plain | bias | residual | swiglu | rope (bias, then rope_append's work: ``with_rope``)
+    epilogue: str = "plain"        # plain | bias | residual | swiglu | rope (bias, then rope_append's work: with_rope)
     norm: bool = False             # RMSNorm prologue (input fp32 h + fp16 norm weight)
     out_f16: bool = False          # fp16 saturated output (required for swiglu, refused for residual)
     eps: float = 1e-6              # RMSNorm epsilon (used only with norm)
