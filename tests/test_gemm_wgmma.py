@@ -86,7 +86,7 @@ def test_bad_specs_are_rejected(kw, field):
 
 def test_launch_follows_m():
     s = W.model_gemms(QWEN25_7B)["qkv"]
-    ring = 6 * (64 * 64 * 2 + 256 * 64 // 2 + 4 * 256 + 16)   # six stages of X, W and scale words, two mbarriers each
+    ring = 6 * (64 * 64 * 2 + 256 * 64 // 2 + 16)   # six stages of X and W, a full and an empty mbarrier each
     assert s.launch(1) == Launch(grid=(4608 // 256, 1, 1), block=(384, 1, 1), smem=ring)
     assert s.launch(65).grid == (18, 2, 1) and s.launch().grid == (18, 4096 // 64, 1)
     assert replace(s, bn=64, consumers=1).launch(7).block == (256, 1, 1)

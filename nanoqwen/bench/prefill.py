@@ -56,7 +56,7 @@ WGMMA_VARIANTS = ({}, {"inflight": 0}, {"consumers": 1}, {"bm": 64, "bn": 256}, 
                   {"bm": 64, "bn": 128}, {"bm": 64, "bn": 64, "consumers": 1})
 # Small-M tile variants (the first is the small-M default; invalid ones for a shape are skipped).
 SMALL_VARIANTS = ({}, dict(bn=64), dict(bn=128), dict(bn=64, warps_n=8), dict(bm=32, warps_m=2),
-                  dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(stages=8), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128),
+                  dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128),
                   dict(split_k=2), dict(split_k=4))
 # The GEMV-order GEMMs (gemm.py gemv_order, the splits of prefill.gemv_order_splits), tiles beside their
 # defaults (gemm.GEMV_ORDER_TILES, GEMV_ORDER_SMALL_M_TILES); every tile keeps a row's bits.

@@ -32,8 +32,7 @@ The runtime picks them for chunks of at most ``prefill.small_m_tokens`` rows.
 Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 ``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
 ``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
-``stages * (bm*bk*2 + bn*bk/2 + 4*bn)`` bytes (X, W and a scale word per weight row; > 48 KB: the driver raises
-the function's limit)."""
+``stages * (bm*bk*2 + bn*bk/2)`` bytes (> 48 KB: the driver raises the function's limit)."""
 
 from __future__ import annotations
 
@@ -133,7 +132,7 @@ class GemmInt4Spec(KernelSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + 4 * self.bn)
+        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2)
 
     def context(self) -> dict:
         return super().context() | {"epilogue_id": EPILOGUES.index(self.epilogue)}

@@ -107,7 +107,7 @@ class GemmWgmmaSpec(KernelSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + 4 * self.bn + 16)   # + scale words, mbarriers
+        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + 16)   # + full / empty mbarriers
 
     # X's layout in a stage: core matrix (token row group r // 8, 16-byte chunk c) at (r // 8) * sbo + c * lbo
     @property
