@@ -18,12 +18,12 @@ from .. import codegen, config
 from ..codegen.kernels import gemm as G
 from ..dims import QWEN25_7B
 from ..runtime import driver
-from .kernels import copy_bandwidth, git_commit
+from .kernels import BLOCKER_BYTES, copy_bandwidth, git_commit
 from .prefill import _time
 from .protocol import write_json
 
 
-def bench_norm(m: int, stream, rng) -> dict:
+def bench_norm(m: int, stream, rng, blocker) -> dict:
     """rmsnorm_prefill at m rows: a prefill's launches back to back, timed as bench.prefill times a kernel, per
     launch."""
     d = QWEN25_7B
@@ -37,7 +37,7 @@ def bench_norm(m: int, stream, rng) -> dict:
         for _ in range(launches):
             fn.launch(launch, st, False, m=m, **bufs)
     try:
-        t = _time(prefill_norms, stream) / launches   # bench.prefill's timing: median of REPS after WARMUP
+        t = _time(prefill_norms, stream, blocker) / launches   # bench.prefill's timing: median of REPS after WARMUP
     finally:
         for buf in bufs.values():
             buf.free()
@@ -51,12 +51,16 @@ def run(ms=(32, 512, 4096)) -> dict:
     out = {"kind": "nanoqwen-bench-norm", "gpu": driver.device().props.name, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "copy_GBps": copy / 1e9, "norm": []}
-    for m in ms:
-        r = bench_norm(m, stream, rng)
-        out["norm"].append(r)
-        print(f"{r['uri']} m={m:5d}: {r['s'] * 1e6:7.2f} us a launch, {r['GBps']:5.0f} GB/s of h + xn "
-              f"({r['GBps'] * 1e9 / copy:.0%} of copy); {r['launches']} a prefill: "
-              f"{r['s'] * r['launches'] * 1e3:.3f} ms", flush=True)
+    blocker = driver.DeviceBuffer(BLOCKER_BYTES)
+    try:
+        for m in ms:
+            r = bench_norm(m, stream, rng, blocker)
+            out["norm"].append(r)
+            print(f"{r['uri']} m={m:5d}: {r['s'] * 1e6:7.2f} us a launch, {r['GBps']:5.0f} GB/s of h + xn "
+                  f"({r['GBps'] * 1e9 / copy:.0%} of copy); {r['launches']} a prefill: "
+                  f"{r['s'] * r['launches'] * 1e3:.3f} ms", flush=True)
+    finally:
+        blocker.free()
     stream.close()
     return out
 

@@ -14,10 +14,13 @@ it). Every tile there keeps a row's arithmetic (sequential K, no split-K), so an
 invariance, except the split_k rows (residual roles only): a diagnostic of whether the serial K loop's
 latency, not the bytes, bounds a short chunk (a fixed-order split of K in every GEMM would keep invariance).
 
-Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--json FILE]`` (those M by default).
-Timing: events around one launch, after warm-up; median of ``REPS``. Weights are reused across calls
-(8-76 MB, partly L2-resident): prefill GEMMs are compute-bound at these M, so L2 hardly matters; the
-same holds for the fp16 baseline, which reads 4x the bytes."""
+Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--json FILE]``
+(those M by default).
+Timing: events around one launch, after warm-up; median of ``REPS``. A memset of 256 MB (bench/kernels.py
+BLOCKER_BYTES) is queued before each start event, as the GEMV bench's "alone" column does: the GPU is busy
+while the host issues the launch, so the host's launch latency stays out of the time (until 2026-12-07 it was
+in: a rough fit put ~18 us in every short-chunk GEMM's figure, perf-notes), and the memset evicts the weights
+from L2, as each layer of a chunk finds them. The fp16 baseline keeps torch's events around one call."""
 
 from __future__ import annotations
 
@@ -71,16 +74,23 @@ SMALL_ORDER_VARIANTS = ({}, dict(stages=4), dict(stages=8), dict(bn=128, warps_n
                         dict(bm=16, warps_m=2, bn=64, warps_n=2))
 
 
-def _time(call, stream) -> float:
-    """Median seconds of ``call(stream)`` over REPS, after WARMUP calls."""
+def _time(call, stream, blocker: driver.DeviceBuffer) -> float:
+    """Median seconds of ``call(stream)`` over REPS, after WARMUP calls, each behind a memset of ``blocker``
+    (the module's "Timing")."""
     for _ in range(WARMUP):
         call(stream)
     ts = []
-    for _ in range(REPS):
-        a, b = driver.Event().record(stream), driver.Event()
-        call(stream)
-        b.record(stream)
-        ts.append(driver.Event.elapsed_ms(a, b) * 1e-3)
+    a, b = driver.Event(), driver.Event()
+    try:
+        for i in range(REPS):
+            blocker.memset_u32(i, stream)
+            a.record(stream)
+            call(stream)
+            b.record(stream)
+            ts.append(driver.Event.elapsed_ms(a, b) * 1e-3)
+    finally:
+        a.close()
+        b.close()
     return statistics.median(ts)
 
 
@@ -109,7 +119,8 @@ def _torch_fp16_s(m: int, n: int, k: int) -> float | None:
     return statistics.median(ts)
 
 
-def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, with_fp16: bool = True) -> dict:
+def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blocker,
+               with_fp16: bool = True) -> dict:
     """One GEMM (either family: one kernel contract) on random data; the fp16 cuBLAS time of its shape."""
     rows = spec.n // 2 if spec.epilogue == "swiglu" else spec.n
     q = rng.integers(-7, 8, size=(rows, spec.k), dtype=np.int8)
@@ -122,7 +133,7 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, wit
     bufs["w2"], bufs["s2"] = bufs["w"], bufs["s"]
     fn, launch = driver.load(codegen.build(spec)), spec.launch(m)
     try:
-        t = _time(lambda st: fn.launch(launch, st, False, m=m, **bufs), stream)
+        t = _time(lambda st: fn.launch(launch, st, False, m=m, **bufs), stream, blocker)
     finally:
         for b in {id(b): b for b in bufs.values()}.values():
             b.free()
@@ -135,7 +146,7 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, wit
             "vs_fp16": ref / t if ref else None}
 
 
-def bench_attention(n: int, stream, rng) -> dict:
+def bench_attention(n: int, stream, rng, blocker) -> dict:
     d = QWEN25_7B
     _, spec = AP.prefill_attention_specs(d, config.default())
     P = spec.page_size
@@ -147,7 +158,7 @@ def bench_attention(n: int, stream, rng) -> dict:
             "page_table": driver.DeviceBuffer.from_array(table), "o16": driver.DeviceBuffer(n * d.q_dim * 2)}
     fn, launch = driver.load(codegen.build(spec)), spec.launch(n)
     try:
-        t = _time(lambda st: fn.launch(launch, st, False, p0=0, n=n, **bufs), stream)
+        t = _time(lambda st: fn.launch(launch, st, False, p0=0, n=n, **bufs), stream, blocker)
     finally:
         for b in bufs.values():
             b.free()
@@ -170,46 +181,55 @@ def run(ms=(32, 512, 4096)) -> dict:
     """Every section; ``ms=()``: the row GEMVs alone."""
     stream, rng = driver.Stream(), np.random.default_rng(0)
     cfg = config.default()
-    group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
-    wgmmas = GW.model_gemms(QWEN25_7B, group)
+    wgmmas = GW.model_gemms(QWEN25_7B, cfg.quant.group_size)
     out = {"kind": "nanoqwen-bench-prefill", "gpu": driver.device().props.name, "commit": kbench.git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "gemm": [], "wgmma": [], "gemv_order": [], "attention": []}
-    for m in ms:
-        tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
-                           else (G.model_gemms(QWEN25_7B, group), VARIANTS))
-        orders = G.config_gemms(QWEN25_7B, cfg, small_m=m <= small, gemv_order=True)
-        for role, default in tiles.items():
-            for spec, kw in _tiles(default, variants, role, m):
-                r = bench_gemm(spec, m, stream, rng, with_fp16=not kw) | {"role": role, "variant": kw}
-                out["gemm"].append(r)
-                if not kw:
-                    fp16_s = r["fp16_s"]
-                base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
-                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
-                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
-                      f"({base})", flush=True)
-            others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),
-                      ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS))
-            for section, family_default, family_variants in others:   # against the same fp16 time
-                for spec, kw in _tiles(family_default, family_variants, role, m):
-                    r = bench_gemm(spec, m, stream, rng, with_fp16=False) | {"role": role, "variant": kw}
-                    r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
-                    out[section].append(r)
-                    vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
-                    label = section.replace("_", " ") + " " + str(kw or "default")
-                    print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
-                          f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs})", flush=True)
-        a = bench_attention(m, stream, rng)
-        out["attention"].append(a)
-        print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
-        layer = sum(r["s"] for r in out["gemm"] if r["m"] == m and not r["variant"]) + a["s"]
-        print(f"projected prefill of {m} tokens, {QWEN25_7B.layers} layers (GEMMs + attention, no norms/rope): "
-              f"{layer * QWEN25_7B.layers * 1e3:.2f} ms", flush=True)
-        out[f"projected_pp{m}_ms"] = layer * QWEN25_7B.layers * 1e3
+    blocker = driver.DeviceBuffer(kbench.BLOCKER_BYTES)   # _time's
+    try:
+        for m in ms:
+            _bench_chunk(m, out, cfg, wgmmas, stream, rng, blocker)
+    finally:
+        blocker.free()
     out["row_gemv"] = bench_row_gemvs(cfg, stream, rng)
     stream.close()
     return out
+
+
+def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker) -> None:
+    """The GEMMs of a chunk of m rows (each family, its tile variants) and its attention, into ``out``."""
+    group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
+    tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
+                       else (G.model_gemms(QWEN25_7B, group), VARIANTS))
+    orders = G.config_gemms(QWEN25_7B, cfg, small_m=m <= small, gemv_order=True)
+    for role, default in tiles.items():
+        for spec, kw in _tiles(default, variants, role, m):
+            r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=not kw) | {"role": role, "variant": kw}
+            out["gemm"].append(r)
+            if not kw:
+                fp16_s = r["fp16_s"]
+            base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
+            print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
+                  f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
+                  f"({base})", flush=True)
+        others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),
+                  ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS))
+        for section, family_default, family_variants in others:   # against the same fp16 time
+            for spec, kw in _tiles(family_default, family_variants, role, m):
+                r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=False) | {"role": role, "variant": kw}
+                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
+                out[section].append(r)
+                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
+                label = section.replace("_", " ") + " " + str(kw or "default")
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
+                      f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs})", flush=True)
+    a = bench_attention(m, stream, rng, blocker)
+    out["attention"].append(a)
+    print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
+    layer = sum(r["s"] for r in out["gemm"] if r["m"] == m and not r["variant"]) + a["s"]
+    print(f"projected prefill of {m} tokens, {QWEN25_7B.layers} layers (GEMMs + attention, no norms/rope): "
+          f"{layer * QWEN25_7B.layers * 1e3:.2f} ms", flush=True)
+    out[f"projected_pp{m}_ms"] = layer * QWEN25_7B.layers * 1e3
 
 
 def bench_row_gemvs(cfg, stream, rng) -> list[dict]:
