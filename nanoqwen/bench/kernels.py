@@ -24,7 +24,7 @@ from ..dims import QWEN25_7B, ModelDims
 from ..runtime import driver
 from . import multirow
 from .gemv_case import GemvCase
-from .replay import graph_seconds
+from .replay import blocked_seconds, graph_seconds
 
 COPY_BYTES = 2 << 30          # one direction; read + write = 4 GiB moved per copy
 COPY_REPS = 10
@@ -69,16 +69,7 @@ def time_spec(case: GemvCase, fn: driver.Function, spec: gemv.GemvInt4Spec, stre
     for i in range(case.copies):   # warm-up: module load, first touch of every copy
         call(i, False)
     stream.synchronize()
-    alone = []
-    a, b = driver.Event(), driver.Event()
-    for i in range(ALONE_REPS):
-        blocker.memset_u32(i, stream)
-        a.record(stream)
-        call(i, False)
-        b.record(stream)
-        alone.append(driver.Event.elapsed_ms(a, b) * 1e-3)
-    a.close()
-    b.close()
+    alone = blocked_seconds(lambda i: call(i, False), ALONE_REPS, stream, blocker)
     calls = max(GRAPH_CALLS_MIN, 2 * case.copies)
     per_call = graph_seconds(call, calls, stream)
     return {"alone": _median_spread(alone), "graph": _median_spread(per_call), "graph_calls": calls}

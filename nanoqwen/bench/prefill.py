@@ -43,6 +43,7 @@ from ..dims import QWEN25_7B
 from ..runtime import driver
 from . import kernels as kbench
 from .gemv_case import GemvCase
+from .replay import blocked_seconds
 
 REPS = 20
 WARMUP = 3
@@ -79,19 +80,7 @@ def _time(call, stream, blocker: driver.DeviceBuffer) -> float:
     (the module's "Timing")."""
     for _ in range(WARMUP):
         call(stream)
-    ts = []
-    a, b = driver.Event(), driver.Event()
-    try:
-        for i in range(REPS):
-            blocker.memset_u32(i, stream)
-            a.record(stream)
-            call(stream)
-            b.record(stream)
-            ts.append(driver.Event.elapsed_ms(a, b) * 1e-3)
-    finally:
-        a.close()
-        b.close()
-    return statistics.median(ts)
+    return statistics.median(blocked_seconds(lambda i: call(stream), REPS, stream, blocker))
 
 
 def _torch_fp16_s(m: int, n: int, k: int) -> float | None:
