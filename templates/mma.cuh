@@ -35,6 +35,38 @@ NQ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "me
 template <int N>
 NQ_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
+// ---- the group scales in the ring ------------------------------------------------------------------------
+// A GEMM's k-tile needs one fp16 scale per weight row. Fetched a k-tile ahead with plain loads, they left every
+// k-tile of a short chunk a global load's latency long (~1.4 us on an H100), so they ride the cp.async ring beside
+// the weights: per weight row the 4 aligned bytes around its scale (cp.async copies 4, 8 or 16 aligned bytes, and
+// a scale tensor starts 4-byte aligned, so the word stays inside it), and the reader takes its half.
+NQ_DEVICE void cp_async_4(u32 dst, const void* gmem) {   // through L1: .cg takes 16 bytes only
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(gmem) : "memory");
+}
+// Which half of its word holds the scale at p.
+NQ_DEVICE u32 scale_half(const f16* p) { return (reinterpret_cast<size_t>(p) >> 1) & 1; }
+// The scale rows one of COPIERS threads copies, tile rows i + COPIERS j (j < COPIES; null past ROWS), found once
+// by `row_of` (tile row -> its scale row's group 0); copy() issues a k-tile's words, group `group`, into `words`.
+template <int ROWS, int COPIERS>
+struct ScaleCopies {
+    static constexpr int COPIES = (ROWS + COPIERS - 1) / COPIERS;
+    const f16* row[COPIES];
+    template <typename RowOf>
+    NQ_DEVICE ScaleCopies(int i, RowOf row_of) {
+#pragma unroll
+        for (int j = 0; j < COPIES; ++j) row[j] = i + COPIERS * j < ROWS ? row_of(i + COPIERS * j) : nullptr;
+    }
+    NQ_DEVICE void copy(u32 words, u32 group, int i) const {
+#pragma unroll
+        for (int j = 0; j < COPIES; ++j) {
+            if (ROWS % COPIERS == 0 || i + COPIERS * j < ROWS) {
+                const size_t p = reinterpret_cast<size_t>(row[j] + group);
+                cp_async_4(words + 4 * (i + COPIERS * j), reinterpret_cast<const void*>(p & ~(size_t)3));
+            }
+        }
+    }
+};
+
 // ---- ldmatrix -----------------------------------------------------------------------------------------
 // Four 8x8 fp16 matrices; lanes 8i..8i+7 give the 16-byte row addresses of matrix i, register i of
 // every lane receives (row lane/4, cols 2(lane%4), +1) of matrix i. One instruction fills a whole A
@@ -55,6 +87,14 @@ NQ_DEVICE uint4 lds_u4(u32 addr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
     return v;
+}
+
+// The scale in the word at .shared address `addr` (ScaleCopies), `half` its half (scale_half, XOR the parity of
+// the group: a row's scales are 2 bytes apart).
+NQ_DEVICE f16 lds_scale(u32 addr, u32 half) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return (f16)(v >> (16 * half));
 }
 
 // 16-byte shared store by .shared address (fp16 tiles converted in registers, e.g. q hi / lo).

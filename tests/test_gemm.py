@@ -94,6 +94,23 @@ def test_gemv_order_main_loop_budget(role):
     assert len(body) / hmma <= ORDER_BUDGET[role], f"{role}: {len(body) / hmma:.2f} instructions an HMMA"
 
 
+@pytest.mark.skipif(resources.tool("cuobjdump") is None and resources.tool("nvdisasm") is None,
+                    reason="no cuobjdump / nvdisasm to read SASS")
+@pytest.mark.parametrize("order", [False, True], ids=["fold", "gemv_order"])
+def test_short_chunk_tiles_take_their_scales_from_the_ring(order):
+    """The short chunks' tiles copy each k-tile's scales into the ring (4-byte LDGSTS) and read them from shared
+    memory: no global load waits in their main loop. The long chunks' tiles keep the plain loads (LDG)."""
+    for small in (True, False):
+        spec = G.config_gemms(QWEN25_7B, CFG, small_m=small, gemv_order=order)["qkv"]
+        assert spec.scale_ring == small
+        ops = collections.Counter(map(_opcode, main_loop(resources.sass(codegen.build(spec).cubin))))
+        loads = sum(c for op, c in ops.items() if op.startswith("LDG."))
+        if small:
+            assert loads == 0 and ops["LDGSTS.E"] == 1, f"{spec.uri}: {sorted(ops.items())}"
+        else:
+            assert loads > 0 and "LDGSTS.E" not in ops, f"{spec.uri}: {sorted(ops.items())}"
+
+
 def test_gemm_launch_follows_m():
     s = G.model_gemms(QWEN25_7B)["qkv"]
     assert s.launch(1).grid == (4608 // 128, 1, 1)
@@ -104,7 +121,7 @@ def test_gemm_launch_follows_m():
     assert gu.n == 2 * 18944 and gu.epilogue == "swiglu"
     small = G.model_gemms(QWEN25_7B, small_m=True)
     assert small["qkv"].launch(32) == Launch(grid=(4608 // 32, 2, 1), block=(128, 1, 1),
-                                             smem=4 * (16 * 128 * 2 + 32 * 128 // 2))
+                                             smem=4 * (16 * 128 * 2 + 32 * 128 // 2 + 4 * 32))   # X, W, scale words
     assert small["down"].launch(1).grid == (3584 // 32, 1, 1) and small["down"].launch(64).grid == (112, 4, 1)
     assert {s.uri for s in small.values()}.isdisjoint(s.uri for s in G.model_gemms(QWEN25_7B).values())
 

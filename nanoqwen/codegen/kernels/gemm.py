@@ -27,12 +27,16 @@ default 128 x 128 tile gives M <= 128 only N/128 CTAs (28 for o_proj/down on 132
 weight rows with most of its X rows empty; 16-row tiles waste at most 15 rows and bn 32 gives N/32 x
 ceil(M/16) CTAs (224 for o_proj/down at M = 32). Every CTA streams its own copy of X's rows (from L2:
 4 M / bn bytes per weight byte), so gate/up, with N/128 x 2 = 592 CTAs at M = 32 already, keeps bn 128.
-The runtime picks them for chunks of at most ``prefill.small_m_tokens`` rows.
+The runtime picks them for chunks of at most ``prefill.small_m_tokens`` rows. They take ``scale_ring``: a k-tile's
+group scales ride the cp.async ring with the weights (templates/mma.cuh) instead of plain loads a k-tile ahead,
+whose latency each of a short chunk's k-tiles waited out (H100, one call: the 32-row re-request 7.68 -> 7.27 ms);
+the long chunks keep the loads (with the ring pp512 TTFT was +3.2%).
 
 Kernel parameters, in order (``kernel_params``; unused pointers may be 0):
 ``x`` f16 [M, K], ``w`` u32 [N, K/8], ``s`` f16 [N, K/128], ``w2``, ``s2`` (SwiGLU up half), ``bias`` f16 [N],
 ``y`` (see above), ``m`` rows. Grid ``launch(m)``: (N / bn, ceil(m / bm)); dynamic shared memory is
-``stages * (bm*bk*2 + bn*bk/2)`` bytes (> 48 KB: the driver raises the function's limit)."""
+``stages * (bm*bk*2 + bn*bk/2)`` bytes, plus ``4*bn`` a stage with ``scale_ring`` (> 48 KB: the driver raises
+the function's limit)."""
 
 from __future__ import annotations
 
@@ -71,8 +75,8 @@ def check_contract(spec) -> None:
 class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
     template = "gemm_int4.cu.j2"
-    uri_fields = ("epilogue", "n", "k", "gemv_order", "splits", "bm", "bn", "bk", "stages")
-    late_fields = KernelSpec.late_fields + ("gemv_order", "splits")
+    uri_fields = ("epilogue", "n", "k", "gemv_order", "splits", "bm", "bn", "bk", "stages", "scale_ring")
+    late_fields = KernelSpec.late_fields + ("gemv_order", "splits", "scale_ring")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("x", "f16"), inp("w", "u32"), inp("s", "f16"), inp("w2", "u32"), inp("s2", "f16"), inp("bias", "f16"),
         out("y", "void"), scalar("m", "int"))
@@ -94,6 +98,7 @@ class GemmInt4Spec(KernelSpec):
     max_smem: int = DEFAULT.max_smem   # the GPU's opt-in shared memory per block (gpu.GpuProfile)
     gemv_order: bool = False  # each row bitwise the tensor-core GEMV's (see the module docstring)
     splits: int = 1           # gemv_order: the GEMV's K splits (its splitk), summed in split order
+    scale_ring: bool = False  # the group scales ride the cp.async ring (short chunks; see SMALL_M_TILES)
 
     def validate(self) -> None:
         super().validate()
@@ -132,7 +137,7 @@ class GemmInt4Spec(KernelSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2)
+        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + (4 * self.bn if self.scale_ring else 0))
 
     def context(self) -> dict:
         return super().context() | {"epilogue_id": EPILOGUES.index(self.epilogue)}
@@ -149,14 +154,14 @@ class GemmInt4Spec(KernelSpec):
 
 
 # one warp row of 16 x 8 warp tiles; bk 128 so the 128 threads split both tile copies evenly
-SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4)
+SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4, scale_ring=True)
 # GEMV order: a lane holds two accumulator sets (the running sum and a group's MMA chain), so a warp tile is
 # half the fold order's: 32 tokens x 32 weight rows (178-198 registers, no spills; the main loop's SASS 5.6
 # instructions an HMMA, 6.8 for down's split sums, against the fold order's 5.2: 16 x 64 was 8.2, each
 # dequantized weight serving half the tokens). A few rows: 16 x 32 (9.4 an HMMA), two warps a CTA, so that
 # qkv's 4608 rows still make 72 CTAs along N, with a deeper ring for the weight stream.
 GEMV_ORDER_TILES = dict(bm=64, bn=128, bk=128, warps_m=2, warps_n=4, stages=4)
-GEMV_ORDER_SMALL_M_TILES = dict(bm=16, bn=64, bk=128, warps_m=1, warps_n=2, stages=6)
+GEMV_ORDER_SMALL_M_TILES = dict(bm=16, bn=64, bk=128, warps_m=1, warps_n=2, stages=6, scale_ring=True)
 
 
 def role_shapes(dims: ModelDims) -> dict[str, dict]:
