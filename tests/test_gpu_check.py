@@ -27,7 +27,7 @@ FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
   *nanoqwen.tuning.chain*) echo "chain $*" >> "$RUNS"; exit 0;;
-  *tools/profile_gemv.py*) echo "$*" >> "$RUNS"; exit 0;;
+  *tools/profile_gemv.py*|*tools/profile_gemm.py*) echo "$*" >> "$RUNS"; exit 0;;
   *nanoqwen.cli.gen*) [ -n "${NEW_ENTRY:-}" ] && echo '{"family": "embed", "compile_s": 1.5}' > "$NEW_ENTRY"; exit 0;;
   *"-m pip "*|*"import sys, numpy"*) exit 0;;
   *"cache_root()"*) echo "$CACHE"; exit 0;;
@@ -212,6 +212,20 @@ def test_the_gemv_profile_times_the_tiles_then_profiles_them(tmp_path):
     assert (tmp_path / "runs.txt").read_text() == (
         f"tools/profile_gemv.py --time {tiles}\nncu\ntools/profile_gemv.py --runs 1 {tiles}\n")
     assert (tmp_path / "out" / "ncu.txt").exists()
+
+
+def test_the_gemm_profile_times_the_tiles_then_profiles_them(tmp_path):
+    """GPU_CHECK_GEMM_PROFILE="TILE...": tools/profile_gemm.py --time over the short-chunk GEMM tiles at
+    GPU_CHECK_GEMM_PROFILE_M rows, then one launch of each under Nsight Compute, its report in $OUT/ncu-gemm.txt."""
+    ncu = tmp_path / "ncu"
+    ncu.write_text('#!/usr/bin/env bash\necho "ncu" >> "$RUNS"\n'
+                   'while [ "$1" != regex:gemm_int4 ]; do shift; done\nshift\nexec "$@"\n')
+    ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)
+    tiles = "qkv gate_up:bn=64 down+order"
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_GEMM_PROFILE=tiles, GPU_CHECK_GEMM_PROFILE_M="16") == 0
+    assert (tmp_path / "runs.txt").read_text() == (
+        f"tools/profile_gemm.py --time --m 16 {tiles}\nncu\ntools/profile_gemm.py --m 16 {tiles}\n")
+    assert (tmp_path / "out" / "ncu-gemm.txt").exists()
 
 
 def test_chain_judges_separated_by_semicolons_run_in_turn(tmp_path):

@@ -61,6 +61,9 @@
 #                      them, e.g. "down:lanes=32,splitk=4@4:rows=2,warps=4,ctas_per_sm=3") and profiles one launch of
 #                      each with Nsight Compute where the machine has it (ncu.txt: speed of light, warp states,
 #                      stall reasons, occupancy, scheduler and instruction statistics)
+#   GPU_CHECK_GEMM_PROFILE "TILE..." the same for short-chunk prefill GEMM tiles (tools/profile_gemm.py, TILE as it
+#                      takes them, e.g. "qkv gate_up:bn=64 down+order"; GPU_CHECK_GEMM_PROFILE_M rows, default 32):
+#                      each timed alone, then Nsight Compute with the memory sections too (ncu-gemm.txt)
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
@@ -228,6 +231,19 @@ if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then 
             --section Occupancy --section SchedulerStats --section InstructionStats --section LaunchStats \
             --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
             -k regex:gemv_int4 $PY tools/profile_gemv.py --runs 1 $GPU_CHECK_GEMV_PROFILE > '$OUT/ncu.txt' 2>&1"
+    else
+        echo "== ncu: not found on this machine"
+    fi
+fi
+if [ -n "${GPU_CHECK_GEMM_PROFILE:-}" ]; then   # short-chunk GEMM tiles alone, then their Nsight Compute sections
+    gemm_m=(--m "${GPU_CHECK_GEMM_PROFILE_M:-32}")
+    stage gemm-time 200 $PY tools/profile_gemm.py --time "${gemm_m[@]}" $GPU_CHECK_GEMM_PROFILE
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -n "$ncu" ]; then
+        stage ncu-gemm 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \
+            --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+            -k regex:gemm_int4 $PY tools/profile_gemm.py ${gemm_m[*]} $GPU_CHECK_GEMM_PROFILE > '$OUT/ncu-gemm.txt' 2>&1"
     else
         echo "== ncu: not found on this machine"
     fi

@@ -108,9 +108,9 @@ def _torch_fp16_s(m: int, n: int, k: int) -> float | None:
     return statistics.median(ts)
 
 
-def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blocker,
-               with_fp16: bool = True) -> dict:
-    """One GEMM (either family: one kernel contract) on random data; the fp16 cuBLAS time of its shape."""
+def gemm_buffers(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, rng) -> dict[str, driver.DeviceBuffer]:
+    """Random device operands of one GEMM over m rows, by kernel parameter name (SwiGLU's up half is the gate's
+    weights again); free them with ``free_buffers``."""
     rows = spec.n // 2 if spec.epilogue == "swiglu" else spec.n
     q = rng.integers(-7, 8, size=(rows, spec.k), dtype=np.int8)
     packed, scales = quant.pack(q), rng.uniform(0.002, 0.02, size=(rows, spec.k // spec.group)).astype(np.float16)
@@ -120,12 +120,23 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blo
             "bias": driver.DeviceBuffer.from_array(rng.standard_normal(spec.n).astype(np.float16)),
             "y": driver.DeviceBuffer.from_array(np.zeros((m, out_cols), np.float32))}
     bufs["w2"], bufs["s2"] = bufs["w"], bufs["s"]
+    return bufs
+
+
+def free_buffers(bufs: dict[str, driver.DeviceBuffer]) -> None:
+    for b in {id(b): b for b in bufs.values()}.values():
+        b.free()
+
+
+def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blocker,
+               with_fp16: bool = True) -> dict:
+    """One GEMM (either family: one kernel contract) on random data; the fp16 cuBLAS time of its shape."""
+    bufs = gemm_buffers(spec, m, rng)
     fn, launch = driver.load(codegen.build(spec)), spec.launch(m)
     try:
         t = _time(lambda st: fn.launch(launch, st, False, m=m, **bufs), stream, blocker)
     finally:
-        for b in {id(b): b for b in bufs.values()}.values():
-            b.free()
+        free_buffers(bufs)
     ref = _torch_fp16_s(m, spec.n, spec.k) if with_fp16 else None
     flops = spec.flops(m)
     weight_bytes = spec.n * spec.k // 2 + spec.n * (spec.k // spec.group) * 2
