@@ -222,7 +222,8 @@ def test_the_gemm_profile_times_the_tiles_then_profiles_them(tmp_path):
                    'while [ "$1" != regex:gemm_int4 ]; do shift; done\nshift\nexec "$@"\n')
     ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)
     tiles = "qkv gate_up:bn=64 down+order"
-    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_GEMM_PROFILE=tiles, GPU_CHECK_GEMM_PROFILE_M="16") == 0
+    env = dict(GPU_CHECK_TESTS="none", GPU_CHECK_GEMM_PROFILE=tiles, GPU_CHECK_GEMM_PROFILE_M="16")
+    assert _gpu_check(tmp_path, **env) == 0
     assert (tmp_path / "runs.txt").read_text() == (
         f"tools/profile_gemm.py --time --m 16 {tiles}\nncu\ntools/profile_gemm.py --m 16 {tiles}\n")
     assert (tmp_path / "out" / "ncu-gemm.txt").exists()
