@@ -225,8 +225,19 @@ def test_the_gemm_profile_times_the_tiles_then_profiles_them(tmp_path):
     env = dict(GPU_CHECK_TESTS="none", GPU_CHECK_GEMM_PROFILE=tiles, GPU_CHECK_GEMM_PROFILE_M="16")
     assert _gpu_check(tmp_path, **env) == 0
     assert (tmp_path / "runs.txt").read_text() == (
-        f"tools/profile_gemm.py --time --m 16 {tiles}\nncu\ntools/profile_gemm.py --m 16 {tiles}\n")
+        f"tools/profile_gemm.py --time --m 16 --json {tmp_path / 'out' / 'gemm-time.json'} {tiles}\nncu\n"
+        f"tools/profile_gemm.py --m 16 {tiles}\n")
     assert (tmp_path / "out" / "ncu-gemm.txt").exists()
+
+
+def test_the_gemm_sweep_times_both_orders_at_each_row_count(tmp_path):
+    """GPU_CHECK_GEMM_SWEEP="M...": tools/profile_gemm.py --time --sweep over every role in both orders, a JSON a
+    row count."""
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_GEMM_SWEEP="8 32") == 0
+    roles = "qkv o_proj gate_up down qkv+order o_proj+order gate_up+order down+order"
+    assert (tmp_path / "runs.txt").read_text() == "".join(
+        f"tools/profile_gemm.py --time --sweep --m {m} --json {tmp_path / 'out' / f'gemm-sweep-m{m}.json'} {roles}\n"
+        for m in (8, 32))
 
 
 def test_chain_judges_separated_by_semicolons_run_in_turn(tmp_path):

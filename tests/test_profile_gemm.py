@@ -57,3 +57,22 @@ def test_help_renders(capsys):
     with pytest.raises(SystemExit) as e:
         profile.main(["--help"])
     assert e.value.code == 0 and "--time" in capsys.readouterr().out
+
+
+def test_json_without_time_is_refused(capsys):
+    assert profile.main(["--json", "out.json", "qkv"]) == 2
+    assert "takes --time" in capsys.readouterr().err
+
+
+def test_sweep_expands_a_role_into_its_default_and_the_tiles_its_shape_takes():
+    tiles = profile.sweep_tiles("qkv", CFG)
+    assert tiles[0] == ("qkv", profile.tile_spec("qkv", CFG))
+    assert [a for a, _ in tiles[1:]] == [f"qkv:{f}" for f in profile.SWEEP["fold"]]   # qkv takes them all
+    order = profile.sweep_tiles("down+order", CFG)
+    assert order[0][1].gemv_order and all(s.gemv_order for _, s in order)
+    assert len({s.uri for _, s in order}) == len(order)   # no tile twice
+
+
+def test_sweep_refuses_tile_fields(capsys):
+    assert profile.main(["--sweep", "qkv:bn=64"]) == 2
+    assert "--sweep takes ROLE[+order]" in capsys.readouterr().err

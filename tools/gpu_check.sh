@@ -64,6 +64,8 @@
 #   GPU_CHECK_GEMM_PROFILE "TILE..." the same for short-chunk prefill GEMM tiles (tools/profile_gemm.py, TILE as it
 #                      takes them, e.g. "qkv gate_up:bn=64 down+order"; GPU_CHECK_GEMM_PROFILE_M rows, default 32):
 #                      each timed alone, then Nsight Compute with the memory sections too (ncu-gemm.txt)
+#   GPU_CHECK_GEMM_SWEEP "M..." times every role's short-chunk GEMM tiles of tools/profile_gemm.py's SWEEP, both
+#                      orders, at each row count (e.g. "8 16 32 64"; gemm-sweep-mM.json)
 #   GPU_CHECK_GRAMMAR  1 runs the structured-output benchmark (ms/token of plain greedy, greedy under a
 #                      json_schema, the host loop, and the grammar's own mask / advance; grammar.json); it
 #                      needs llguidance and pydantic from .whl/ like GPU_CHECK_SERVE
@@ -237,17 +239,23 @@ if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then 
 fi
 if [ -n "${GPU_CHECK_GEMM_PROFILE:-}" ]; then   # short-chunk GEMM tiles alone, then their Nsight Compute sections
     gemm_m=(--m "${GPU_CHECK_GEMM_PROFILE_M:-32}")
-    stage gemm-time 200 $PY tools/profile_gemm.py --time "${gemm_m[@]}" $GPU_CHECK_GEMM_PROFILE
+    stage gemm-time 200 $PY tools/profile_gemm.py --time "${gemm_m[@]}" --json "$OUT/gemm-time.json" \
+        $GPU_CHECK_GEMM_PROFILE
     ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ -n "$ncu" ]; then
         stage ncu-gemm 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \
             --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-            -k regex:gemm_int4 $PY tools/profile_gemm.py ${gemm_m[*]} $GPU_CHECK_GEMM_PROFILE > '$OUT/ncu-gemm.txt' 2>&1"
+            -k regex:gemm_int4 $PY tools/profile_gemm.py ${gemm_m[*]} $GPU_CHECK_GEMM_PROFILE \
+            > '$OUT/ncu-gemm.txt' 2>&1"
     else
         echo "== ncu: not found on this machine"
     fi
 fi
+for m in ${GPU_CHECK_GEMM_SWEEP:-}; do   # the short-chunk GEMM tiles of both orders at m rows
+    stage "gemm-sweep-m$m" 200 $PY tools/profile_gemm.py --time --sweep --m "$m" --json "$OUT/gemm-sweep-m$m.json" \
+        qkv o_proj gate_up down qkv+order o_proj+order gate_up+order down+order
+done
 [ "${GPU_CHECK_GRAMMAR:-0}" = 1 ] && stage grammar 400 $PY -m nanoqwen.bench.grammar --json "$OUT/grammar.json"
 [ "${GPU_CHECK_LLAMA:-0}" = 1 ] && stage llamacpp 540 $PY -m nanoqwen.bench.llamacpp --json "$OUT/llamacpp.json"
 [ "${GPU_CHECK_LOAD:-0}" = 1 ] && stage load 400 $PY tools/measure_load.py --model 7b --out "$OUT/load-7b.json"
