@@ -27,6 +27,7 @@ FAKE_PY = r"""#!/usr/bin/env bash
 case "$*" in
   *nanoqwen.cli.tune*) echo "start tune $(date +%s.%N)" >> "$RUNS"; exit 0;;
   *nanoqwen.tuning.chain*) echo "chain $*" >> "$RUNS"; exit 0;;
+  *nanoqwen.bench.chunks*) echo "$*" >> "$RUNS"; exit 0;;
   *tools/profile_gemv.py*|*tools/profile_gemm.py*) echo "$*" >> "$RUNS"; exit 0;;
   *nanoqwen.cli.gen*) [ -n "${NEW_ENTRY:-}" ] && echo '{"family": "embed", "compile_s": 1.5}' > "$NEW_ENTRY"; exit 0;;
   *"-m pip "*|*"import sys, numpy"*) exit 0;;
@@ -228,6 +229,12 @@ def test_the_gemm_profile_times_the_tiles_then_profiles_them(tmp_path):
         f"tools/profile_gemm.py --time --m 16 --json {tmp_path / 'out' / 'gemm-time.json'} {tiles}\nncu\n"
         f"tools/profile_gemm.py --m 16 {tiles}\n")
     assert (tmp_path / "out" / "ncu-gemm.txt").exists()
+
+
+def test_the_chunk_bench_writes_its_json(tmp_path):
+    assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_CHUNKS="1") == 0
+    out = tmp_path / "out" / "chunks.json"
+    assert (tmp_path / "runs.txt").read_text() == f"-m nanoqwen.bench.chunks --json {out}\n"
 
 
 def test_the_gemm_sweep_times_both_orders_at_each_row_count(tmp_path):
