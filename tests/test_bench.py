@@ -273,6 +273,9 @@ class FakeEvent:
     def elapsed_ms(a, b):
         return (b.t - a.t) * 1e3
 
+    def synchronize(self):   # the simulated clock has run every launch already
+        pass
+
     def close(self):
         pass
 

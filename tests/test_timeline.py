@@ -19,6 +19,7 @@ from nanoqwen.codegen import kernels, nvrtc, probe
 from nanoqwen.codegen.spec import PROBE_PARAM, SpecError
 from nanoqwen.dims import QWEN25_7B
 from nanoqwen.runtime.decoder import step_specs
+from nanoqwen.runtime.prefill import prefill_specs
 from nanoqwen.testmodels import tiny_dims
 from tests.test_bench import (ROLE_US, FakeClock, FakeDecoder, FakeFn, FakeGraph, FakeLaunch,  # noqa: F401
                               fake_driver, fake_result, fake_sequence)
@@ -29,6 +30,9 @@ SPECS = [(name, f"m{m}.{role}", spec) for name, dims in STEPS.items()
          for m in (1, *[m for m in config.default().multirow.buckets if m > 1])
          for role, spec in step_specs(dims, config.default(), m=m).items()
          if not (m > 1 and role == "embed")]   # m > 1 embeds with the prefill's embed (not a decode kernel)
+# and every timeable kernel of their prefill (the short chunks' graphs: bench/timeline.py measure_chunk)
+SPECS += [(name, role, spec) for name, dims in STEPS.items()
+          for role, spec in prefill_specs(dims, config.default()).items() if spec.timeable]
 IDS = [f"{name}-{role}" for name, role, _s in SPECS]
 
 
@@ -78,7 +82,8 @@ def test_timed_kernel_adds_only_the_probe(name, role, spec):
 def test_timed_kernels_compile_for_sm90a_without_spills(fresh_build):
     """The test model's timed decode step and the 7B's: every kernel compiles, defines its entry, keeps
     the untimed kernel's shared memory and spills nothing."""
-    specs = [dataclasses.replace(s, timed=True) for name, role, s in SPECS if role.startswith("m1.")]
+    specs = [dataclasses.replace(s, timed=True) for name, role, s in SPECS
+             if role.startswith(("m1.", "prefill.graph.", "prefill.small.", "prefill.embed"))]
     for spec, b in zip(specs, fresh_build(specs)):
         r = b.resources
         assert b.entry == spec.entry and b.cubin[:4] == b"\x7fELF" and not b.cached, spec.uri
@@ -96,6 +101,25 @@ def test_timed_needs_a_template_with_the_hooks():
     spec = kernels.from_params("embed", hidden="256", vocab="2048", timed="true")   # nanoqwen-gen's path
     assert spec.timed is True and spec.signature[-1] == ("probe", "ptr")
     assert list(kernels.family("embed").parameters())[-1] == "timed"
+
+
+def test_the_gemv_order_gemm_is_not_timeable():
+    """Its PDL wait is inside gemv_order_tile, where the probe's scope does not reach."""
+    from nanoqwen.codegen.kernels import gemm
+    spec = gemm.config_gemms(QWEN25_7B, config.default(), small_m=True, gemv_order=True)["down"]
+    with pytest.raises(SpecError, match="timed=True takes the fold order"):
+        dataclasses.replace(spec, timed=True).validate()
+
+
+def test_chunk_roles_name_a_chunks_kernels_as_the_decode_step_does():
+    from nanoqwen.bench.itl import launch_layers
+    roles = ["embed", "rmsnorm", "small.qkv", "graph.rope_append", "graph.attention", "graph.attention_combine",
+             "small.o_proj", "rmsnorm", "small.gate_up", "small.down", "rmsnorm", "rows16.qkv"]
+    got = timeline.chunk_roles(roles)
+    assert got == ["embed", "qkv_norm", "qkv", "rope_append", "attention_decode", "attention_combine", "o_proj",
+                   "gate_up_norm", "gate_up", "down", "qkv_norm", "qkv"]
+    assert launch_layers(got) == [None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]   # a layer starts at its qkv's norm
+    assert launch_layers(["embed", "qkv", "down", "qkv", "lm_head"]) == [None, 0, 0, 1, None]
 
 
 def test_probe_decode_undoes_the_complement():
@@ -288,7 +312,7 @@ def test_measure_rows_times_the_bucket_over_its_own_inputs(fake_driver, monkeypa
     from contextlib import contextmanager
     from nanoqwen.runtime import driver
     rows = FakeRowStep(8, layers=2)
-    embed, *rest = rows.sequences[8]   # the m-row embed stays untimed, with no slot (as timed_rows leaves it)
+    embed, *rest = rows.sequences[8]   # one launch untimed, with no slot (as timed_rows leaves a hookless kernel)
     table = FakeTable(len(rest))
     timed = [embed] + [(r, StampingFn(r, table), launch, {"probe": i}) for i, (r, _f, launch, _a) in enumerate(rest)]
     monkeypatch.setattr(timeline, "timed_rows", lambda rs, m, cfg=None: (timed, table))
@@ -312,8 +336,8 @@ def test_measure_rows_times_the_bucket_over_its_own_inputs(fake_driver, monkeypa
 
 
 def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
-    """timed_rows: bucket m's launch list in timed variants, each timed launch its own probe slots, the
-    m-row embed (the prefill's kernel, no probe hooks) untimed; the RowStep's own launch list untouched."""
+    """timed_rows: bucket m's launch list in timed variants, each launch its own probe slots (the m-row embed,
+    the prefill's embed_prefill, too); the RowStep's own launch list untouched."""
     from nanoqwen.runtime import driver
 
     class Untimed:   # the bucket's kernels: a timed variant takes their shared-memory split
@@ -339,8 +363,102 @@ def test_timed_rows_times_the_buckets_own_kernels(monkeypatch):
     monkeypatch.setattr(driver, "load", lambda spec, carveout: ("fn", spec.family, carveout))
     monkeypatch.setattr(driver, "DeviceBuffer", Table)
     seq, table = timeline.timed_rows(Rows, 4)
-    assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][:2] == ("embed", Untimed)
-    assert "probe" not in seq[0][3] and all(fn[0] == "fn" and fn[2] == 37 for _r, fn, *_ in seq[1:])
-    assert table.nbytes == probe.table_bytes(len(seq) - 1)
-    assert [a["probe"] for *_r, a in seq[1:]] == [4096 + 24 * i for i in range(len(seq) - 1)]
+    assert Rows.kernels[4]["embed"][0].family == "embed_prefill" and seq[0][1] == ("fn", "embed_prefill", 37)
+    assert all(fn[0] == "fn" and fn[2] == 37 for _r, fn, *_ in seq)
+    assert table.nbytes == probe.table_bytes(len(seq))
+    assert [a["probe"] for *_r, a in seq] == [4096 + 24 * i for i in range(len(seq))]
     assert all(a["h"] == 1 for *_r, a in seq) and all(a == {"h": 1} for *_r, a in Rows.sequences[4])
+
+
+# ---- a short prefill chunk's timeline (measure_chunk) on a simulated device ---------------------------------
+
+CHUNK_ROLES = ["embed", "rmsnorm", "small.qkv", "graph.rope_append", "graph.attention", "graph.attention_combine",
+               "small.o_proj", "rmsnorm", "small.gate_up", "small.down"]
+CHUNK_US = dict(ROLE_US, qkv_norm=1, gate_up_norm=1)
+
+
+class ChunkFn(FakeFn):
+    """A chunk kernel on the simulated clock (its decode-step role's time); timed, it stamps the slots at the
+    byte address its ``probe`` argument names; inside a capture it is recorded, not run."""
+    recording: list | None = None
+    table = None
+
+    def __init__(self, role, timed=False):
+        super().__init__(role)
+        self.timed, self.carveout = timed, 41
+
+    def launch(self, launch, stream, pdl, **args):
+        if ChunkFn.recording is not None:
+            ChunkFn.recording.append((self, launch, args))
+            return
+        t0 = int(FakeClock.t * 1e9)
+        FakeClock.t += CHUNK_US[self.role] * 1e-6
+        t1 = int(FakeClock.t * 1e9)
+        if self.timed:
+            slot = ChunkFn.table.mem[args["probe"] // 8:]
+            slot[:3] = np.maximum(slot[:3], [~np.uint64(t0), ~np.uint64(t0 + (t1 - t0) // 4), np.uint64(t1)])
+
+
+def test_measure_chunk_times_the_buckets_kernels_inside_its_graph(fake_driver, monkeypatch):
+    from contextlib import contextmanager
+    from nanoqwen.runtime import driver
+    roles = timeline.chunk_roles(CHUNK_ROLES)
+
+    class Spec:
+        def __init__(self, role, timeable=True):
+            self.role, self.timeable, self.timed = role, timeable, False
+
+        def launch(self, *shape):
+            return FakeLaunch()
+    specs = {r: Spec(d, timeable=r != "graph.attention_combine") for r, d in zip(CHUNK_ROLES, roles)}
+
+    class Graphs:
+        sequences = {32: [(r, (32,), {"x": i}) for i, r in enumerate(CHUNK_ROLES)]}
+        staged, ran = [], []
+        graphs = {32: type("G", (), {"launch": lambda g, s: [ChunkFn(d).launch(None, s, True)
+                                                                for d in roles]})()}
+
+        def stage(self, chunks):
+            self.staged.append(chunks)
+
+        def run(self, c0, n):
+            self.ran.append((c0, n))
+
+    class Pre:
+        graphs, kernels = Graphs(), {"prefill." + r: (specs[r], ChunkFn(specs[r].role)) for r in CHUNK_ROLES}
+        shared = type("Shared", (), {"stream": type("Stream", (), {"synchronize": lambda st: None})(),
+                                     "drain": lambda sh: None, "check_errors": lambda sh: None})()
+
+    def table(nbytes):
+        ChunkFn.table = FakeTable(nbytes // 24)
+        ChunkFn.table.ptr, ChunkFn.table.free = 0, lambda: None
+        return ChunkFn.table
+
+    @contextmanager
+    def capture(stream):
+        ChunkFn.recording = recorded = []
+        try:
+            yield type("G", (), {"launch": lambda g, s: [fn.launch(ln, s, True, **a) for fn, ln, a in recorded],
+                                 "close": lambda g: None})()
+        finally:
+            ChunkFn.recording = None
+    monkeypatch.setattr(codegen, "build_many", lambda specs, progress=None, cfg=None: list(specs))
+    monkeypatch.setattr(dataclasses, "replace", lambda spec, timed: spec)   # the fake specs are plain objects
+    monkeypatch.setattr(driver, "load", lambda spec, carveout: ChunkFn(spec.role, timed=True))
+    monkeypatch.setattr(driver, "DeviceBuffer", table)
+    monkeypatch.setattr(driver, "capture", capture)
+    FakeClock.t = 1.0
+    tl = timeline.measure_chunk(Pre, 32, 4064, list(range(32)), reps=3)
+    assert Pre.graphs.staged == [[(4064, list(range(32)))]] and Pre.graphs.ran == [(4064, 32)]
+    timed = [d for r, d in zip(CHUNK_ROLES, roles) if r != "graph.attention_combine"]   # not timeable: no slot
+    assert [k["role"] for k in tl["kernels"]] == timed
+    assert [k["layer"] for k in tl["kernels"]] == [None] + [0] * (len(timed) - 1)
+    assert (tl["m"], tl["context"], tl["reps"], tl["chunk"]) == (32, 4096, 3, True)
+    ends = np.cumsum([CHUNK_US[d] for d in roles])
+    assert [k["end_us"] for k in tl["kernels"]] == pytest.approx([e for d, e in zip(roles, ends)
+                                                                  if d != "attention_combine"])
+    assert tl["kernel_gap_us"] == pytest.approx(CHUNK_US["attention_combine"])   # the unstamped kernel's time
+    assert tl["graph_step_us"] == pytest.approx(ends[-1]) == tl["timed_graph_step_us"]
+    assert [k["uri"] for k in tl["kernels"]] == [Pre.kernels["prefill." + r][1].uri for r in CHUNK_ROLES
+                                                 if r != "graph.attention_combine"]   # the untimed kernels
+    assert timeline.summary(tl).startswith("the 32-row prefill chunk, in-graph %globaltimer stamps")

@@ -9,7 +9,9 @@ stream copies them and replays bucket b's graph. Timing as bench.prefill's, a me
 (bench/replay.py blocked_seconds), of 1 GB here (~0.4 ms: the host stages a chunk in Python meanwhile), so the host's
 staging stays out of the time and the weights come from HBM, as a keystroke finds them. Beside each time: the bytes
 the chunk must read at least (the decoder layers' weights and scales, and the K/V of the ``context`` keys its
-attention reads) over the copy bandwidth measured in the same run, the chunk's floor."""
+attention reads) over the copy bandwidth measured in the same run, the chunk's floor. With ``--timeline M`` bucket
+M's kernels are also timed inside its replayed graph (bench/timeline.py measure_chunk: per-kernel busy time, the
+idle time between kernels; a chart beside the JSON)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def floor_bytes(dims: ModelDims, cfg: config.Config, context: int) -> int:
     return dims.layers * (weights + 2 * context * dims.kv_dim * 2)
 
 
-def run(context: int = CONTEXT, reps: int = REPS, log=None) -> dict:
+def run(context: int = CONTEXT, reps: int = REPS, timeline_rows: int = 0, log=None) -> dict:
     from ..runtime.session import CudaSession
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = config.default()
@@ -71,6 +73,13 @@ def run(context: int = CONTEXT, reps: int = REPS, log=None) -> dict:
                 f"{floor / 1e9:.2f} GB at least: {floor / t / 1e9:.0f} GB/s, {rows[-1]['pct_copy']:.1f}% of copy "
                 f"({copy:.0f} GB/s; floor {rows[-1]['floor_ms']:.3f} ms)")
         session.state.check_errors()
+        if timeline_rows:
+            if timeline_rows not in buckets:
+                raise SystemExit(f"bench.chunks: --timeline {timeline_rows}: not a graph bucket ({buckets})")
+            from . import timeline
+            p0 = context - timeline_rows
+            tl = timeline.measure_chunk(pre, timeline_rows, p0, ids[p0:], cfg=cfg)
+            log(timeline.summary(tl))
     finally:
         if blocker is not None:
             blocker.free()
@@ -79,15 +88,23 @@ def run(context: int = CONTEXT, reps: int = REPS, log=None) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": {"name": props.name, "driver_version": props.driver_version},
             "model": "synthetic 7B (random weights at the real shapes)", "context": context, "reps": reps,
-            "copy_GBps": copy, "floor_bytes": floor, "chunks": rows}
+            "copy_GBps": copy, "floor_bytes": floor, "chunks": rows, **({"timeline": tl} if timeline_rows else {})}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanoqwen.bench.chunks", description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=CONTEXT, help=f"the prompt's positions (default {CONTEXT})")
+    p.add_argument("--timeline", type=int, default=0, metavar="M",
+                   help="also time bucket M's kernels inside its graph (a chart beside --json)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    protocol.save(run(args.context), args.json)
+    res = run(args.context, timeline_rows=args.timeline)
+    protocol.save(res, args.json)
+    if args.timeline and args.json is not None:
+        from . import timeline
+        chart = args.json.with_name(f"timeline-chunk{args.timeline}.png")
+        print(timeline.plot(res["timeline"], chart, title=f"prefill chunk of {args.timeline} rows at positions "
+                            f"{args.context - args.timeline}..{args.context - 1}, {res['gpu']['name']}"))
     return 0
 
 

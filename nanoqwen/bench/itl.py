@@ -81,11 +81,13 @@ class Gate:
 
 
 def launch_layers(roles) -> list[int | None]:
-    """Decoder layer of each launch (a layer starts at its qkv GEMV); None for embed and lm_head."""
-    layer, out = -1, []
+    """Decoder layer of each launch (a layer starts at its qkv GEMV, or at that GEMV's RMSNorm where it runs
+    apart); None for embed and lm_head."""
+    layer, out, prev = -1, [], None
     for role in roles:
-        layer += role == "qkv"
+        layer += role == "qkv_norm" or (role == "qkv" and prev != "qkv_norm")
         out.append(layer if role not in ("embed", "lm_head") else None)
+        prev = role
     return out
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from .. import config
 from ..codegen import probe
 from .charts import pyplot
-from .itl import StepTimer, launch_layers
+from .itl import StepTimer, launch_layers, replay_seconds
 from .mbu import REGIONS, ROLE_REGION
 
 # the step's kernels in launch order within a layer (the chart's rows)
@@ -159,9 +159,9 @@ def _finished(res: dict, steps: dict, launches: list, **extra) -> dict:
 
 def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, object]:
     """The launch list of bucket m of ``rows`` (a RowStep) over the step's own buffers and inputs, each
-    kernel in its timed variant with its own slots of a new probe table: (sequence, table). The one kernel
-    without probe hooks, the m-row embed (the prefill's embed_prefill), stays untimed and slotless: its
-    microsecond falls in ``unseen_us``. The RowStep itself is not touched."""
+    kernel in its timed variant with its own slots of a new probe table: (sequence, table). A kernel without
+    probe hooks would stay untimed and slotless (its time in ``unseen_us``); since 2026-12-07 the m-row embed
+    (the prefill's embed_prefill) has them too. The RowStep itself is not touched."""
     from .. import codegen
     from ..runtime import driver
     cfg = cfg or config.default()
@@ -215,6 +215,71 @@ def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Confi
     return _finished(res, steps, [rows.sequences[m][i] for i in stamped], m=m, context=context)
 
 
+def chunk_roles(roles) -> list[str]:
+    """The decode step's role (ROLE_REGION's names) of each kernel of a prefill chunk (runtime/prefill.py's roles:
+    the small-M, graph and row-GEMV prefixes dropped; the attention as the decode attention's region; an RMSNorm
+    named for the GEMM it feeds, as the multi-row step's norms run apart)."""
+    base = [role.rsplit(".", 1)[-1] for role in roles]
+    out = []
+    for i, role in enumerate(base):
+        if role == "rmsnorm":
+            role = next(r for r in base[i + 1:] if r in ("qkv", "gate_up")) + "_norm"
+        out.append("attention_decode" if role == "attention" else role)
+    return out
+
+
+def measure_chunk(pre, b: int, p0: int, ids: list[int], reps: int = REPS, cfg: config.Config | None = None) -> dict:
+    """The timeline of graph bucket b of the Prefiller ``pre`` (its chunk graphs captured): a chunk of b rows
+    ``ids`` at positions p0.. of the loaded sequence (a re-request's tail; K/V rewritten with the same bits a
+    replay), its timeable kernels in their timed variants captured as one graph with the untimed rest, replayed
+    ``reps`` times over the same graph input; the untimed bucket graph and the timed one event-timed beside it."""
+    from .. import codegen
+    from ..runtime import driver
+    cfg = cfg or config.default()
+    graphs, stream = pre.graphs, pre.shared.stream
+    seq = graphs.sequences[b]
+    kernels = {role: pre.kernels["prefill." + role] for role, _shape, _args in seq}
+    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in kernels.items() if spec.timeable}
+    built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
+    fns = {role: driver.load(bb, carveout=kernels[role][1].carveout) for role, bb in zip(specs, built)}
+    stamped = [i for i, (role, _shape, _args) in enumerate(seq) if role in fns]
+    table = driver.DeviceBuffer(probe.table_bytes(len(stamped)))
+    launches = []
+    for i, (role, shape, args) in enumerate(seq):
+        spec, fn = kernels[role]
+        if role in fns:
+            fn, args = fns[role], {**args, probe.PARAM_NAME: table.ptr + probe.table_bytes(stamped.index(i))}
+        launches.append((fn, spec.launch(*shape), args))
+    graph = None
+
+    def launch_all() -> None:
+        for fn, launch, args in launches:
+            fn.launch(launch, stream, True, **args)
+    try:
+        graphs.stage([(p0, ids)])
+        graphs.run(p0, b)   # the untimed graph: graph_in now holds p0, n and the ids for every replay below
+        launch_all()   # once eagerly: every module loaded outside the capture
+        pre.shared.check_errors()
+        with driver.capture(stream) as graph:
+            launch_all()
+        out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
+        for r in range(reps):
+            table.memset_u32(0, stream)   # arms every slot, in stream order before the replay
+            graph.launch(stream)
+            pre.shared.drain()
+            table.download(out[r])
+        pre.shared.check_errors()
+        res = summarize(chunk_roles([seq[i][0] for i in stamped]), probe.decode(out))
+        steps = {name: 1e6 * replay_seconds(lambda g=g: g.launch(stream), stream, reps)
+                 for name, g in (("graph_step_us", graphs.graphs[b]), ("timed_graph_step_us", graph))}
+    finally:
+        if graph is not None:
+            graph.close()
+        table.free()
+    untimed = [(seq[i][0], kernels[seq[i][0]][1], launches[i][1], seq[i][2]) for i in stamped]
+    return _finished(res, steps, untimed, m=b, context=p0 + b, chunk=True)
+
+
 def _replay_s(rows, launch, tokens: list[int], positions: list[int], reps: int) -> list[float]:
     """Seconds per replay of ``launch(stream)`` over the step's inputs, between events around it."""
     from ..runtime import driver
@@ -236,7 +301,8 @@ def _replay_s(rows, launch, tokens: list[int], positions: list[int], reps: int) 
 
 def summary(tl: dict) -> str:
     """A few lines for the bench table."""
-    step = f"the {tl['m']}-row step" if "m" in tl else "timeline"
+    step = (f"the {tl['m']}-row prefill chunk" if tl.get("chunk") else f"the {tl['m']}-row step" if "m" in tl
+            else "timeline")
     return (f"{step}, in-graph %globaltimer stamps, median of {tl['reps']} replays at context {tl['context']}: "
             f"span {tl['span_us']:.1f} us = kernels {tl['union_us']:.1f} + idle (kernel_gap) "
             f"{tl['kernel_gap_us']:.1f} us; PDL overlap {tl['overlap_us']:.1f} us; graph step "

@@ -9,8 +9,12 @@
   graph step of the timed graph (the stamps see a subset of what the events see);
 * the session's own decoder still works afterwards (the timed decoder ran over its buffers and freed only
   its own);
-* the multi-row step's timeline (``measure_rows``): every timed launch of the bucket stamped in order, its
-  own time within the span, and the session's multi-row step gives the same argmaxes before and after."""
+* the multi-row step's timeline (``measure_rows``): every launch of the bucket stamped in order (its embed,
+  the prefill's kernel, too), its own time within the span, and the session's multi-row step gives the same
+  argmaxes before and after;
+* a short prefill chunk's timeline (``measure_chunk``): every timeable kernel of the bucket's graph stamped in
+  order, its own time within the span, and the timed replay leaves the chunk's residual rows the untimed graph
+  left, bit for bit."""
 
 from __future__ import annotations
 
@@ -93,9 +97,31 @@ def test_the_multi_row_steps_timeline(setup):
     positions = list(range(CONTEXT - m, CONTEXT))
     before = rows.run([7] * m, positions)
     tl = timeline.measure_rows(rows, m, CONTEXT, reps=REPS)
-    roles = [role for role, *_rest in rows.sequences[m]][1:]   # the m-row embed runs untimed
+    roles = [role for role, *_rest in rows.sequences[m]]
     assert [k["role"] for k in tl["kernels"]] == roles and tl["m"] == m
     assert all(k["start_us"] <= k["wait_us"] <= k["end_us"] for k in tl["kernels"])
     assert 0 < tl["union_us"] <= tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
     assert rows.run([7] * m, positions) == before
+    print(timeline.summary(tl), file=sys.stderr)
+
+
+def test_a_prefill_chunks_timeline(setup):
+    session, *_rest = setup
+    pre, b = session.prefiller, 8
+    tokens = fresh_rng().integers(0, session.dims.vocab, CONTEXT).tolist()
+    p0 = CONTEXT - b
+    session.runner.reserve(CONTEXT + 1)
+    pre(tokens[:p0], 0)
+    assert pre.graph_rows() >= b
+    pre(tokens[p0:], p0)   # the untimed bucket graph
+    session.state.drain()
+    before = pre.bufs.h.download(shape=(b, session.dims.hidden), dtype=np.float32)
+    tl = timeline.measure_chunk(pre, b, p0, tokens[p0:], reps=REPS)
+    after = pre.bufs.h.download(shape=(b, session.dims.hidden), dtype=np.float32)
+    assert np.array_equal(before, after) and np.isfinite(before).all()
+    seq = pre.graphs.sequences[b]
+    timed = [role for role, *_rest in seq if pre.kernels["prefill." + role][0].timeable]
+    assert [k["role"] for k in tl["kernels"]] == timeline.chunk_roles(timed) and tl["m"] == b
+    assert all(k["start_us"] <= k["wait_us"] <= k["end_us"] for k in tl["kernels"])
+    assert 0 < tl["union_us"] <= tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
     print(timeline.summary(tl), file=sys.stderr)

@@ -65,6 +65,7 @@ def _check_heads(family: str, head_dim: int, heads: int, kv_heads: int, page_siz
 class RopeAppendPrefillSpec(VariantParams, KernelSpec):
     family = "rope_append_prefill"
     template = "rope_append_prefill.cu.j2"
+    timeable = True   # templates/rope_append_prefill.cu.j2 places the timeline probe's hooks
     uri_fields = ("head_dim", "heads", "kv_heads")
 
     head_dim: int
@@ -94,6 +95,7 @@ class RopeAppendPrefillSpec(VariantParams, KernelSpec):
 class AttentionPrefillSpec(VariantParams, KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
+    timeable = True   # templates/attention_prefill.cu.j2 places the timeline probe's hooks
     uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "block_keys", "max_splits")
 
     head_dim: int
@@ -166,6 +168,7 @@ class AttentionPrefillSpec(VariantParams, KernelSpec):
 class AttentionPrefillCombineSpec(VariantParams, KernelSpec):
     family = "attention_prefill_combine"
     template = "attention_prefill_combine.cu.j2"
+    timeable = True   # templates/attention_prefill_combine.cu.j2 places the timeline probe's hooks
     uri_fields = ("head_dim", "heads", "block_keys")
 
     head_dim: int

@@ -29,6 +29,7 @@ from .embed import ERR_TOKEN_RANGE, check_table
 class EmbedPrefillSpec(KernelSpec):
     family = "embed_prefill"
     template = "embed_prefill.cu.j2"
+    timeable = True   # templates/embed_prefill.cu.j2 places the timeline probe's hooks
     uri_fields = ("vocab", "hidden", "threads")
     kernel_params: ClassVar[tuple[Param, ...]] = (
         inp("tokens", "int", restrict=False, note="written by the previous kernel: no .nc load above pdl_wait"), inp("embed", "uint4"), out("h", "float4"),

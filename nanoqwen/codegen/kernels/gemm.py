@@ -75,6 +75,7 @@ def check_contract(spec) -> None:
 class GemmInt4Spec(KernelSpec):
     family = "gemm_int4"
     template = "gemm_int4.cu.j2"
+    timeable = True   # the short chunks' graphs time it (bench/timeline.py measure_chunk); fold order only
     uri_fields = ("epilogue", "n", "k", "gemv_order", "splits", "bm", "bn", "bk", "stages", "scale_ring")
     late_fields = KernelSpec.late_fields + ("gemv_order", "splits", "scale_ring")
     kernel_params: ClassVar[tuple[Param, ...]] = (
@@ -115,6 +116,8 @@ class GemmInt4Spec(KernelSpec):
             if not 1 <= self.splits <= 8 or (self.k // self.group) % self.splits:
                 raise SpecError(f"{f}.splits ({self.splits}) must be 1..8 and split k={self.k} on group "
                                 f"boundaries (the GEMV's splitk)")
+            if self.timed:   # its PDL wait sits in gemv_order_tile, outside the probe's scope
+                raise SpecError(f"{f}: timed=True takes the fold order (the GEMV order's tile has no probe hooks)")
         elif self.splits != 1:
             raise SpecError(f"{f}.splits is the gemv_order's (the GEMV's K splits); without it, 1")
         threads = 32 * self.warps_m * self.warps_n
