@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from nanoqwen import NanoqwenError, codegen, config
-from nanoqwen.codegen.gpu import GpuProfile, ctas_an_sm_holds
+from nanoqwen.codegen.gpu import SMEM_PER_CTA_RESERVED, SMEM_PER_SM, GpuProfile, ctas_an_sm_holds
 from nanoqwen.codegen.kernels import gemm as G
 from nanoqwen.codegen.spec import SpecError, parse_params
 from nanoqwen.dims import QWEN25_7B
@@ -46,8 +46,6 @@ SWEEP = {"fold": ("bn=32,warps_n=2", "bn=32,warps_n=1", "bn=64,warps_n=2", "bn=6
                    "bm=32,warps_m=1,bn=64,warps_n=4", "bm=32,warps_m=1,bn=128,warps_n=4",
                    "bm=16,warps_m=1,bn=32,warps_n=1", "bm=16,warps_m=1,bn=64,warps_n=4",
                    "bm=16,warps_m=2,bn=32,warps_n=2", "stages=4", "stages=8")}
-SMEM_PER_SM = 228 * 1024   # sm_90: an SM's shared memory, 1 KB of it reserved a CTA
-SMEM_RESERVED = 1024
 
 
 def tile_spec(arg: str, cfg: config.Config) -> G.GemmInt4Spec:
@@ -144,7 +142,7 @@ def _launch(specs: list[tuple[str, G.GemmInt4Spec]], m: int, runs: int, gpu: Gpu
                 print(f"{arg}: {spec.uri}: spills, skipped", flush=True)
                 continue
             fn, launch, regs = driver.load(built), spec.launch(m), built.resources.registers
-            smem_ctas = SMEM_PER_SM // (spec.smem_bytes + SMEM_RESERVED)
+            smem_ctas = SMEM_PER_SM // (spec.smem_bytes + SMEM_PER_CTA_RESERVED)
             ctas = ctas_an_sm_holds(launch.block[0], regs, smem_ctas)
             waves = launch.grid[0] * launch.grid[1] * launch.grid[2] / (ctas * gpu.sm_count)
             bufs = gemm_buffers(spec, m, rng)

@@ -25,6 +25,8 @@ class GpuProfile:
 THREADS_PER_SM = 2048
 REGISTERS_PER_SM = 65536
 CTAS_PER_SM = 32
+SMEM_PER_SM = 228 * 1024     # shared memory an SM holds, of which each resident CTA takes SMEM_PER_CTA_RESERVED
+SMEM_PER_CTA_RESERVED = 1024
 
 
 def ctas_an_sm_holds(threads: int, registers: int, smem_ctas: int) -> int:
