@@ -3,15 +3,15 @@ prompt, the editor re-request's prefill without the server, the host or the lm_h
 (`python -m nanoqwen.bench.chunks --json OUT`, synthetic 7B).
 
 A session loads a sequence of ``context`` positions and prefills its first ``context - largest bucket`` cold; then
-for each bucket b of ``prefill.graph_buckets`` the Prefiller prefills positions [context - b, context) as one chunk
-of b rows, as a re-request's tail does (its K/V rewritten with the same bits each time): the host stages the ids, the
-stream copies them and replays bucket b's graph. Timing as bench.prefill's, a memset before each start event
-(bench/replay.py blocked_seconds), of 1 GB here (~0.4 ms: the host stages a chunk in Python meanwhile), so the host's
-staging stays out of the time and the weights come from HBM, as a keystroke finds them. Beside each time: the bytes
-the chunk must read at least (the decoder layers' weights and scales, and the K/V of the ``context`` keys its
-attention reads) over the copy bandwidth measured in the same run, the chunk's floor. With ``--timeline M`` bucket
-M's kernels are also timed inside its replayed graph (bench/timeline.py measure_chunk: per-kernel busy time, the
-idle time between kernels; a chart beside the JSON)."""
+for each bucket b of ``prefill.graph_buckets``, the largest first, the Prefiller prefills positions [context - b,
+context) as one chunk of b rows, as a re-request's tail does (its K/V rewritten with the same bits each time): the
+host stages the ids, the stream copies them and replays bucket b's graph. Timing as bench.prefill's, a memset before
+each start event (bench/replay.py blocked_seconds), of 1 GB here (~0.4 ms: the host stages a chunk in Python
+meanwhile), so the host's staging stays out of the time and the weights come from HBM, as a keystroke finds them.
+Beside each time: the bytes the chunk must read at least (the decoder layers' weights and scales, and the K/V of the
+``context`` keys its attention reads) over the copy bandwidth measured in the same run, the chunk's floor. With
+``--timeline M`` bucket M's kernels are also timed inside its replayed graph (bench/timeline.py measure_chunk: per-
+kernel busy time, the idle time between kernels; a chart beside the JSON)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def run(context: int = CONTEXT, reps: int = REPS, timeline_rows: int = 0, log=No
         floor = floor_bytes(dims, cfg, context)
         blocker = driver.DeviceBuffer(BLOCKER)
         rows = []
-        for b in buckets:
+        for b in reversed(buckets):   # the largest first: it writes the keys a smaller chunk reads before its own
             p0 = context - b
             t = statistics.median(blocked_seconds(lambda i, p0=p0: pre(ids[p0:], p0), reps, stream, blocker))
             rows.append({"rows": b, "ms": 1e3 * t, "floor_ms": 1e3 * floor / (copy * 1e9),
@@ -73,6 +73,7 @@ def run(context: int = CONTEXT, reps: int = REPS, timeline_rows: int = 0, log=No
                 f"{floor / 1e9:.2f} GB at least: {floor / t / 1e9:.0f} GB/s, {rows[-1]['pct_copy']:.1f}% of copy "
                 f"({copy:.0f} GB/s; floor {rows[-1]['floor_ms']:.3f} ms)")
         session.state.check_errors()
+        rows.reverse()
         if timeline_rows:
             if timeline_rows not in buckets:
                 raise SystemExit(f"bench.chunks: --timeline {timeline_rows}: not a graph bucket ({buckets})")
