@@ -10,8 +10,8 @@ each start event (bench/replay.py blocked_seconds), of 1 GB here (~0.4 ms: the h
 meanwhile), so the host's staging stays out of the time and the weights come from HBM, as a keystroke finds them.
 Beside each time: the bytes the chunk must read at least (the decoder layers' weights and scales, and the K/V of the
 ``context`` keys its attention reads) over the copy bandwidth measured in the same run, the chunk's floor. With
-``--timeline M`` bucket M's kernels are also timed inside its replayed graph (bench/timeline.py measure_chunk: per-
-kernel busy time, the idle time between kernels; a chart beside the JSON)."""
+``--timeline M`` bucket M's kernels are also timed inside its replayed graph (bench/timeline.py measure_chunk: each
+kernel's busy time, the idle time between kernels; a chart beside the JSON)."""
 
 from __future__ import annotations
 
