@@ -132,6 +132,10 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run with a time limit, record the outc
     [ "$rc" = 0 ] || status=1
 }
 
+ncu_path() {  # Nsight Compute's ncu where the machine has it (nothing where it has none)
+    command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1
+}
+
 check_start=$(date +%s)   # tools/compile_cost.py: what NVRTC cost this check
 # compile every kernel of the 7B and the test models first, in parallel on all cores
 stage compile 180 sh -c "$PY -m nanoqwen.cli.gen compile --model 7b >/dev/null"   # quiet, but the stage line shows
@@ -231,7 +235,7 @@ if [ -n "${GPU_CHECK_CHAIN:-}" ]; then   # one judge a ";"-separated part: chain
 fi
 if [ -n "${GPU_CHECK_GEMV_PROFILE:-}" ]; then   # GEMV tiles back to back, then their Nsight Compute sections
     stage gemv-time 200 $PY tools/profile_gemv.py --time $GPU_CHECK_GEMV_PROFILE
-    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    ncu=$(ncu_path)
     if [ -n "$ncu" ]; then
         stage ncu 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section WarpStateStats \
             --section Occupancy --section SchedulerStats --section InstructionStats --section LaunchStats \
@@ -245,7 +249,7 @@ if [ -n "${GPU_CHECK_GEMM_PROFILE:-}" ]; then   # short-chunk GEMM tiles alone, 
     gemm_m=(--m "${GPU_CHECK_GEMM_PROFILE_M:-32}")
     stage gemm-time 200 $PY tools/profile_gemm.py --time "${gemm_m[@]}" --json "$OUT/gemm-time.json" \
         $GPU_CHECK_GEMM_PROFILE
-    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    ncu=$(ncu_path)
     if [ -n "$ncu" ]; then
         stage ncu-gemm 300 sh -c "'$ncu' --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \

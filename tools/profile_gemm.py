@@ -27,10 +27,14 @@ from dataclasses import replace
 import numpy as np
 
 from nanoqwen import NanoqwenError, codegen, config
+from nanoqwen.bench import kernels
+from nanoqwen.bench.prefill import REPS, WARMUP, free_buffers, gemm_buffers, weight_bytes
+from nanoqwen.bench.replay import blocked_seconds
 from nanoqwen.codegen.gpu import SMEM_PER_CTA_RESERVED, SMEM_PER_SM, GpuProfile, ctas_an_sm_holds
 from nanoqwen.codegen.kernels import gemm as G
 from nanoqwen.codegen.spec import SpecError, parse_params
 from nanoqwen.dims import QWEN25_7B
+from nanoqwen.runtime import driver
 
 TILE_FIELDS = ("bm", "bn", "bk", "warps_m", "warps_n", "stages", "min_blocks", "split_k", "scale_ring")
 # --sweep's tiles beside each default: fewer or more warps and columns a CTA, one warp row over 32 rows (each
@@ -86,8 +90,7 @@ def l2_bytes(spec: G.GemmInt4Spec, m: int) -> int:
     """Bytes the grid copies from L2 into shared memory: each row block's CTAs stream all the weights and
     scales, each column block's stream X's rows."""
     row_blocks, col_blocks = -(-m // spec.bm), spec.n // spec.bn
-    weights = spec.n * spec.k // 2 + spec.n * (spec.k // spec.group) * 2
-    return row_blocks * weights + col_blocks * row_blocks * spec.bm * spec.k * 2
+    return row_blocks * weight_bytes(spec) + col_blocks * row_blocks * spec.bm * spec.k * 2
 
 
 def main(argv=None) -> int:
@@ -113,14 +116,12 @@ def main(argv=None) -> int:
         print(f"profile_gemm: {e}", file=sys.stderr)
         return 2
     try:
-        from nanoqwen.runtime import driver
         gpu = GpuProfile.from_props(driver.device().props)
         rows = _launch(tiles, args.m, args.runs, gpu, args.time)
     except NanoqwenError as e:   # no device, a compile or launch error
         print(f"profile_gemm: {e}", file=sys.stderr)
         return 1
     if args.json:
-        from nanoqwen.bench import kernels
         with open(args.json, "w") as f:
             json.dump({"kind": "nanoqwen-profile-gemm", "gpu": gpu.name, "commit": kernels.git_commit(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -130,10 +131,6 @@ def main(argv=None) -> int:
 
 def _launch(specs: list[tuple[str, G.GemmInt4Spec]], m: int, runs: int, gpu: GpuProfile, time: bool) -> list[dict]:
     """Each tile's residency, and with ``time`` its time alone (also printed, a line a tile)."""
-    from nanoqwen.bench import kernels
-    from nanoqwen.bench.prefill import REPS, WARMUP, free_buffers, gemm_buffers
-    from nanoqwen.bench.replay import blocked_seconds
-    from nanoqwen.runtime import driver
     stream, rng = driver.Stream(), np.random.default_rng(0)
     blocker, rows = driver.DeviceBuffer(kernels.BLOCKER_BYTES), []
     try:

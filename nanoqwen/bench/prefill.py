@@ -123,6 +123,11 @@ def gemm_buffers(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, rng) -> dict[s
     return bufs
 
 
+def weight_bytes(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec) -> int:
+    """Bytes of packed INT4 weights and fp16 group scales one GEMM reads."""
+    return spec.n * spec.k // 2 + spec.n * (spec.k // spec.group) * 2
+
+
 def free_buffers(bufs: dict[str, driver.DeviceBuffer]) -> None:
     for b in {id(b): b for b in bufs.values()}.values():
         b.free()
@@ -139,9 +144,8 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blo
         free_buffers(bufs)
     ref = _torch_fp16_s(m, spec.n, spec.k) if with_fp16 else None
     flops = spec.flops(m)
-    weight_bytes = spec.n * spec.k // 2 + spec.n * (spec.k // spec.group) * 2
     return {"uri": spec.uri, "m": m, "n": spec.n, "k": spec.k, "s": t, "TFLOPs": flops / t / 1e12,
-            "weight_GBps": weight_bytes / t / 1e9,
+            "weight_GBps": weight_bytes(spec) / t / 1e9,
             "fp16_s": ref, "fp16_TFLOPs": flops / ref / 1e12 if ref else None,
             "vs_fp16": ref / t if ref else None}
 
@@ -160,8 +164,7 @@ def bench_attention(n: int, stream, rng, blocker) -> dict:
     try:
         t = _time(lambda st: fn.launch(launch, st, False, p0=0, n=n, **bufs), stream, blocker)
     finally:
-        for b in bufs.values():
-            b.free()
+        free_buffers(bufs)
     return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
 
 

@@ -157,19 +157,18 @@ def _finished(res: dict, steps: dict, launches: list, **extra) -> dict:
     return res
 
 
-def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, object]:
-    """The launch list of bucket m of ``rows`` (a RowStep) over the step's own buffers and inputs, each
-    kernel in its timed variant with its own slots of a new probe table: (sequence, table). A kernel without
-    probe hooks would stay untimed and slotless (its time in ``unseen_us``); since 2026-12-07 the m-row embed
-    (the prefill's embed_prefill) has them too. The RowStep itself is not touched."""
+def timed_launches(kernels: dict, launches: list, cfg: config.Config | None = None) -> tuple[list, object]:
+    """``launches`` [(role, fn, launch, args)] over the kernels ``kernels`` {role: (spec, fn)} with each timeable
+    kernel in its timed variant (the untimed kernel's shared-memory split), each of those launches with its own
+    slots of a new probe table: (sequence, table). A kernel without probe hooks stays untimed and slotless (its
+    time falls in ``unseen_us``). ``launches`` and their args are not touched."""
     from .. import codegen
     from ..runtime import driver
     cfg = cfg or config.default()
-    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in rows.kernels[m].items()
-             if spec.timeable}
+    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in kernels.items() if spec.timeable}
     built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-    fns = {role: driver.load(b, carveout=rows.kernels[m][role][1].carveout) for role, b in zip(specs, built)}
-    seq = [(role, fns.get(role, fn), launch, dict(args)) for role, fn, launch, args in rows.sequences[m]]
+    fns = {role: driver.load(b, carveout=kernels[role][1].carveout) for role, b in zip(specs, built)}
+    seq = [(role, fns.get(role, fn), launch, dict(args)) for role, fn, launch, args in launches]
     timed = [args for role, _fn, _launch, args in seq if role in fns]
     table = driver.DeviceBuffer(probe.table_bytes(len(timed)))
     for i, args in enumerate(timed):
@@ -177,35 +176,55 @@ def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, ob
     return seq, table
 
 
+def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, object]:
+    """``timed_launches`` of bucket m of ``rows`` (a RowStep), over the step's own buffers and inputs."""
+    return timed_launches(rows.kernels[m], rows.sequences[m], cfg)
+
+
+def _stamped_replays(seq: list, table, shared, pdl: bool, reps: int, reload=lambda: None) -> tuple:
+    """Launch ``seq`` (``timed_launches``) once eagerly (every module loaded outside the capture), capture it
+    as one graph and replay that ``reps`` times, ``reload()`` before each, arming the probe table before and
+    reading it after each: (graph, indices of the stamped launches, int64 stamps [reps, stamped, 3]). The
+    caller closes the graph."""
+    from ..runtime import driver
+    stream = shared.stream
+
+    def launch_all() -> None:
+        for _role, fn, launch, args in seq:
+            fn.launch(launch, stream, pdl, **args)
+    reload()
+    launch_all()
+    shared.check_errors()
+    with driver.capture(stream) as graph:
+        launch_all()
+    try:
+        stamped = [i for i, (*_rest, args) in enumerate(seq) if probe.PARAM_NAME in args]
+        out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
+        for r in range(reps):
+            reload()
+            table.memset_u32(0, stream)   # arms every slot, in stream order before the replay
+            graph.launch(stream)
+            shared.drain()
+            table.download(out[r])
+        shared.check_errors()
+    except BaseException:
+        graph.close()
+        raise
+    return graph, stamped, probe.decode(out)
+
+
 def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Config | None = None) -> dict:
     """The timeline of bucket m of the multi-row step (``rows``, a captured RowStep): m rows of the loaded
     sequence at positions context - m .. context - 1 (a verify's rows; pages for them reserved), its timed
     kernels captured as one graph, replayed ``reps`` times over the same inputs (each rewrites the same
     K/V bits); the untimed bucket graph and the timed one event-timed in the same run."""
-    from ..runtime import driver
-    stream, tokens, positions = rows.shared.stream, [0] * m, list(range(context - m, context))
+    tokens, positions = [0] * m, list(range(context - m, context))
     seq, table = timed_rows(rows, m, cfg)
     graph = None
-
-    def launch_all() -> None:
-        for _role, fn, launch, args in seq:
-            fn.launch(launch, stream, rows.pdl, **args)
     try:
-        rows.load(tokens, positions)
-        launch_all()   # once eagerly: every module loaded outside the capture
-        rows.shared.check_errors()
-        with driver.capture(stream) as graph:
-            launch_all()
-        stamped = [i for i, (*_rest, args) in enumerate(seq) if probe.PARAM_NAME in args]
-        out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
-        for r in range(reps):
-            rows.load(tokens, positions)
-            table.memset_u32(0, stream)   # arms every slot, in stream order before the replay
-            graph.launch(stream)
-            rows.shared.drain()
-            table.download(out[r])
-        rows.shared.check_errors()
-        res = summarize([seq[i][0] for i in stamped], probe.decode(out))
+        graph, stamped, stamps = _stamped_replays(seq, table, rows.shared, rows.pdl, reps,
+                                                  lambda: rows.load(tokens, positions))
+        res = summarize([seq[i][0] for i in stamped], stamps)
         steps = {name: 1e6 * statistics.median(_replay_s(rows, launch, tokens, positions, reps))
                  for name, launch in (("graph_step_us", rows.graphs[m].launch), ("timed_graph_step_us", graph.launch))}
     finally:
@@ -233,51 +252,24 @@ def measure_chunk(pre, b: int, p0: int, ids: list[int], reps: int = REPS, cfg: c
     ``ids`` at positions p0.. of the loaded sequence (a re-request's tail; K/V rewritten with the same bits a
     replay), its timeable kernels in their timed variants captured as one graph with the untimed rest, replayed
     ``reps`` times over the same graph input; the untimed bucket graph and the timed one event-timed beside it."""
-    from .. import codegen
-    from ..runtime import driver
-    cfg = cfg or config.default()
     graphs, stream = pre.graphs, pre.shared.stream
-    seq = graphs.sequences[b]
-    kernels = {role: pre.kernels["prefill." + role] for role, _shape, _args in seq}
-    specs = {role: dataclasses.replace(spec, timed=True) for role, (spec, _fn) in kernels.items() if spec.timeable}
-    built = codegen.build_many(specs.values(), progress=codegen.ProgressLine(), cfg=cfg.codegen)
-    fns = {role: driver.load(bb, carveout=kernels[role][1].carveout) for role, bb in zip(specs, built)}
-    stamped = [i for i, (role, _shape, _args) in enumerate(seq) if role in fns]
-    table = driver.DeviceBuffer(probe.table_bytes(len(stamped)))
-    launches = []
-    for i, (role, shape, args) in enumerate(seq):
-        spec, fn = kernels[role]
-        if role in fns:
-            fn, args = fns[role], {**args, probe.PARAM_NAME: table.ptr + probe.table_bytes(stamped.index(i))}
-        launches.append((fn, spec.launch(*shape), args))
+    kernels = {role: pre.kernels["prefill." + role] for role, _shape, _args in graphs.sequences[b]}
+    launches = [(role, kernels[role][1], kernels[role][0].launch(*shape), args)   # as Prefiller._launch makes them
+                for role, shape, args in graphs.sequences[b]]
+    seq, table = timed_launches(kernels, launches, cfg)
     graph = None
-
-    def launch_all() -> None:
-        for fn, launch, args in launches:
-            fn.launch(launch, stream, True, **args)
     try:
         graphs.stage([(p0, ids)])
         graphs.run(p0, b)   # the untimed graph: graph_in now holds p0, n and the ids for every replay below
-        launch_all()   # once eagerly: every module loaded outside the capture
-        pre.shared.check_errors()
-        with driver.capture(stream) as graph:
-            launch_all()
-        out = np.empty((reps, len(stamped) * probe.SLOTS), np.uint64)
-        for r in range(reps):
-            table.memset_u32(0, stream)   # arms every slot, in stream order before the replay
-            graph.launch(stream)
-            pre.shared.drain()
-            table.download(out[r])
-        pre.shared.check_errors()
-        res = summarize(chunk_roles([seq[i][0] for i in stamped]), probe.decode(out))
+        graph, stamped, stamps = _stamped_replays(seq, table, pre.shared, True, reps)
+        res = summarize(chunk_roles([seq[i][0] for i in stamped]), stamps)
         steps = {name: 1e6 * replay_seconds(lambda g=g: g.launch(stream), stream, reps)
                  for name, g in (("graph_step_us", graphs.graphs[b]), ("timed_graph_step_us", graph))}
     finally:
         if graph is not None:
             graph.close()
         table.free()
-    untimed = [(seq[i][0], kernels[seq[i][0]][1], launches[i][1], seq[i][2]) for i in stamped]
-    return _finished(res, steps, untimed, m=b, context=p0 + b, chunk=True)
+    return _finished(res, steps, [launches[i] for i in stamped], m=b, context=p0 + b, chunk=True)
 
 
 def _replay_s(rows, launch, tokens: list[int], positions: list[int], reps: int) -> list[float]:
