@@ -26,7 +26,11 @@ stays 1 (atomic adds have no order). Both fields are late fields: the fold-order
 default 128 x 128 tile gives M <= 128 only N/128 CTAs (28 for o_proj/down on 132 SMs), each streaming 128
 weight rows with most of its X rows empty; 16-row tiles waste at most 15 rows and bn 32 gives N/32 x
 ceil(M/16) CTAs (224 for o_proj/down at M = 32). Every CTA streams its own copy of X's rows (from L2:
-4 M / bn bytes per weight byte), so gate/up, with N/128 x 2 = 592 CTAs at M = 32 already, keeps bn 128.
+4 M / bn bytes per weight byte). ``SMALL_M_ROLE_TILES`` changes that per role, from a sweep of 48 tiles at
+8, 16, 32 and 64 rows (H100, 2026-12-07; perf-notes, twenty-sixth session): these kernels issue an instruction
+every 2 cycles a scheduler from 2-4 warps, so a tile wins by dequantizing each weight for fewer of them. gate_up
+takes 32 rows a CTA (one dequantized weight serves both m16 tiles: 67.8 -> 49.2 us at 32 rows, 114.6 -> 82.2 at
+64, but 43.3 -> 48.4 at 8 or 16), down two warps of 16 columns and an 8-deep ring (56.2 -> 52.5 us at 32 rows).
 The runtime picks them for chunks of at most ``prefill.small_m_tokens`` rows. They take ``scale_ring``: a k-tile's
 group scales ride the cp.async ring with the weights (templates/mma.cuh) instead of plain loads a k-tile ahead,
 whose latency each of a short chunk's k-tiles waited out (H100, one call: the 32-row re-request 7.68 -> 7.27 ms);
@@ -158,6 +162,7 @@ class GemmInt4Spec(KernelSpec):
 
 # one warp row of 16 x 8 warp tiles; bk 128 so the 128 threads split both tile copies evenly
 SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4, scale_ring=True)
+SMALL_M_ROLE_TILES = {"gate_up": dict(bm=32, bn=64), "down": dict(warps_n=2, stages=8)}
 # GEMV order: a lane holds two accumulator sets (the running sum and a group's MMA chain), so a warp tile is
 # half the fold order's: 32 tokens x 32 weight rows (178-198 registers, no spills; the main loop's SASS 5.6
 # instructions an HMMA, 6.8 for down's split sums, against the fold order's 5.2: 16 x 64 was 8.2, each
@@ -189,7 +194,7 @@ def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT, sm
             kw |= dict(gemv_order=True, splits=whole_splits(shape["k"], group, gemv_splits[role]),
                        **(GEMV_ORDER_SMALL_M_TILES if small_m else GEMV_ORDER_TILES))
         elif small_m:
-            kw |= SMALL_M_TILES | (dict(bn=128) if role == "gate_up" else {})
+            kw |= SMALL_M_TILES | SMALL_M_ROLE_TILES.get(role, {})
         specs[role] = GemmInt4Spec(**shape, **kw)
     return specs
 
