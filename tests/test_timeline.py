@@ -389,7 +389,7 @@ class ChunkFn(FakeFn):
 
     def launch(self, launch, stream, pdl, **args):
         if ChunkFn.recording is not None:
-            ChunkFn.recording.append((self, launch, args))
+            ChunkFn.recording.append((self, launch, pdl, args))
             return
         t0 = int(FakeClock.t * 1e9)
         FakeClock.t += CHUNK_US[self.role] * 1e-6
@@ -429,16 +429,23 @@ def test_measure_chunk_times_the_buckets_kernels_inside_its_graph(fake_driver, m
         shared = type("Shared", (), {"stream": type("Stream", (), {"synchronize": lambda st: None})(),
                                      "drain": lambda sh: None, "check_errors": lambda sh: None})()
 
+        @staticmethod
+        def pdl(role):
+            return role != "small.o_proj"
+
     def table(nbytes):
         ChunkFn.table = FakeTable(nbytes // 24)
         ChunkFn.table.ptr, ChunkFn.table.free = 0, lambda: None
         return ChunkFn.table
 
+    captured = []
+
     @contextmanager
     def capture(stream):
         ChunkFn.recording = recorded = []
+        captured.append(recorded)
         try:
-            yield type("G", (), {"launch": lambda g, s: [fn.launch(ln, s, True, **a) for fn, ln, a in recorded],
+            yield type("G", (), {"launch": lambda g, s: [fn.launch(ln, s, p, **a) for fn, ln, p, a in recorded],
                                  "close": lambda g: None})()
         finally:
             ChunkFn.recording = None
@@ -450,6 +457,7 @@ def test_measure_chunk_times_the_buckets_kernels_inside_its_graph(fake_driver, m
     FakeClock.t = 1.0
     tl = timeline.measure_chunk(Pre, 32, 4064, list(range(32)), reps=3)
     assert Pre.graphs.staged == [[(4064, list(range(32)))]] and Pre.graphs.ran == [(4064, 32)]
+    assert [p for _fn, _ln, p, _a in captured[0]] == [Pre.pdl(r) for r in CHUNK_ROLES]   # as the Prefiller's
     timed = [d for r, d in zip(CHUNK_ROLES, roles) if r != "graph.attention_combine"]   # not timeable: no slot
     assert [k["role"] for k in tl["kernels"]] == timed
     assert [k["layer"] for k in tl["kernels"]] == [None] + [0] * (len(timed) - 1)

@@ -181,8 +181,8 @@ def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, ob
     return timed_launches(rows.kernels[m], rows.sequences[m], cfg)
 
 
-def _stamped_replays(seq: list, table, shared, pdl: bool, reps: int, reload=lambda: None) -> tuple:
-    """Launch ``seq`` (``timed_launches``) once eagerly (every module loaded outside the capture), capture it
+def _stamped_replays(seq: list, table, shared, pdl, reps: int, reload=lambda: None) -> tuple:
+    """Launch ``seq`` (``timed_launches``; ``pdl(role)``: whether a launch takes PDL) once eagerly (every module loaded outside the capture), capture it
     as one graph and replay that ``reps`` times, ``reload()`` before each, arming the probe table before and
     reading it after each: (graph, indices of the stamped launches, int64 stamps [reps, stamped, 3]). The
     caller closes the graph."""
@@ -190,8 +190,8 @@ def _stamped_replays(seq: list, table, shared, pdl: bool, reps: int, reload=lamb
     stream = shared.stream
 
     def launch_all() -> None:
-        for _role, fn, launch, args in seq:
-            fn.launch(launch, stream, pdl, **args)
+        for role, fn, launch, args in seq:
+            fn.launch(launch, stream, pdl(role), **args)
     reload()
     launch_all()
     shared.check_errors()
@@ -222,7 +222,7 @@ def measure_rows(rows, m: int, context: int, reps: int = REPS, cfg: config.Confi
     seq, table = timed_rows(rows, m, cfg)
     graph = None
     try:
-        graph, stamped, stamps = _stamped_replays(seq, table, rows.shared, rows.pdl, reps,
+        graph, stamped, stamps = _stamped_replays(seq, table, rows.shared, lambda _role: rows.pdl, reps,
                                                   lambda: rows.load(tokens, positions))
         res = summarize([seq[i][0] for i in stamped], stamps)
         steps = {name: 1e6 * statistics.median(_replay_s(rows, launch, tokens, positions, reps))
@@ -261,7 +261,7 @@ def measure_chunk(pre, b: int, p0: int, ids: list[int], reps: int = REPS, cfg: c
     try:
         graphs.stage([(p0, ids)])
         graphs.run(p0, b)   # the untimed graph: graph_in now holds p0, n and the ids for every replay below
-        graph, stamped, stamps = _stamped_replays(seq, table, pre.shared, True, reps)
+        graph, stamped, stamps = _stamped_replays(seq, table, pre.shared, pre.pdl, reps)
         res = summarize(chunk_roles([seq[i][0] for i in stamped]), stamps)
         steps = {name: 1e6 * replay_seconds(lambda g=g: g.launch(stream), stream, reps)
                  for name, g in (("graph_step_us", graphs.graphs[b]), ("timed_graph_step_us", graph))}

@@ -4,8 +4,8 @@ whatever the length. Positions before p0 must already be in the KV pages: a whol
 prompt whose prefix the cache kept starts at the first position it did not (runtime/prefix_cache.py),
 and speculative decoding's verify step would be a few tokens past the accepted ones.
 
-Per chunk of n tokens at positions [c0, c0 + n) (all launched with Programmatic Dependent Launch: every
-kernel waits before touching what its predecessor wrote):
+Per chunk of n tokens at positions [c0, c0 + n) (launched with Programmatic Dependent Launch but NO_PDL's:
+every kernel waits before touching what its predecessor wrote):
   embed_prefill   h[n, hidden] = f32(embed[tokens[c0 : c0 + n]])
   per layer       rmsnorm_prefill -> gemm qkv (+bias, f32) -> rope_append_prefill (q_rot; k, v into the
                   pages) -> attention_prefill (causal over keys [0, c0 + n), o16) -> gemm o_proj (h +=)
@@ -47,6 +47,11 @@ from .memory import Buffers
 SMALL = "small."   # role prefix of the small-M GEMMs
 GRAPH = "graph."   # role prefix of the device_chunk kernels a chunk graph replays
 ROWS = "rows"      # role prefix of the row GEMVs of a chunk bucket: rows<m>.<role>
+# Launched without PDL, after the whole of their predecessor: a short chunk's o_proj launched early, beside the
+# split-KV combine's 896 one-row CTAs, had its CTAs crowded onto few SMs (26.6 us in the 32-row chunk graph
+# against 15.2 alone; launched after the combine, the chunk 5.01 -> 4.58 ms: H100, perf-notes, twenty-seventh
+# session).
+NO_PDL = frozenset({SMALL + "o_proj"})
 
 
 def prefill_specs(dims, cfg, profile: GpuProfile = DEFAULT_GPU) -> dict:
@@ -166,12 +171,18 @@ class Prefiller:
 
     def _launch(self, role: str, *shape: int, **args) -> None:
         """One prefill kernel, its grid ``spec.launch(*shape)`` (a chunk's rows, then KV splits where the
-        kernel takes them), with PDL (each one waits before it touches its predecessor's output)."""
+        kernel takes them), with PDL where ``pdl(role)`` (each one waits before it touches its predecessor's
+        output)."""
         spec, fn = self.kernels["prefill." + role]
         launch = self._grids.get((role, shape))
         if launch is None:
             launch = self._grids[role, shape] = spec.launch(*shape)
-        fn.launch(launch, self.shared.stream, True, **args)
+        fn.launch(launch, self.shared.stream, self.pdl(role), **args)
+
+    @staticmethod
+    def pdl(role: str) -> bool:
+        """Whether kernel ``role`` launches with Programmatic Dependent Launch: all but NO_PDL's."""
+        return role not in NO_PDL
 
     def _attention(self, emit, layer: int, n: int, pos: dict) -> None:
         """o16 of the chunk's rows: one kernel, or for a short chunk split-KV partials and their combine;
