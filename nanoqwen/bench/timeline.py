@@ -182,10 +182,10 @@ def timed_rows(rows, m: int, cfg: config.Config | None = None) -> tuple[list, ob
 
 
 def _stamped_replays(seq: list, table, shared, pdl, reps: int, reload=lambda: None) -> tuple:
-    """Launch ``seq`` (``timed_launches``; ``pdl(role)``: whether a launch takes PDL) once eagerly (every module loaded outside the capture), capture it
-    as one graph and replay that ``reps`` times, ``reload()`` before each, arming the probe table before and
-    reading it after each: (graph, indices of the stamped launches, int64 stamps [reps, stamped, 3]). The
-    caller closes the graph."""
+    """Launch ``seq`` (``timed_launches``; ``pdl(role)``: whether a launch takes PDL) once eagerly (every module
+    loaded outside the capture), capture it as one graph and replay that ``reps`` times, ``reload()`` before each,
+    arming the probe table before and reading it after each: (graph, indices of the stamped launches, int64 stamps
+    [reps, stamped, 3]). The caller closes the graph."""
     from ..runtime import driver
     stream = shared.stream
 
