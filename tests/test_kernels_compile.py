@@ -74,7 +74,7 @@ def test_kernel_compiles_without_spills_or_local_memory(built, model, spec):
         assert (r.spill_stores, r.spill_loads) == (0, 0), f"{spec.uri}: spills {r} (ptxas: {b.log.strip()})"
         assert r.local_bytes == 0 and r.max_stack == 0, f"{spec.uri}: local memory {r}"
     smem = r.shared_static + lt.smem  # shared_static includes the 1 KB system reservation
-    assert smem <= gpu.DEFAULT.max_smem + resources.SM90_RESERVED_SMEM, f"{spec.uri}: {smem} B shared per block"
+    assert smem <= gpu.DEFAULT.max_smem + gpu.SMEM_PER_CTA_RESERVED, f"{spec.uri}: {smem} B shared per block"
     assert r.registers * lt.threads <= 65536, f"{spec.uri}: {r.registers} regs x {lt.threads} threads"
 
 

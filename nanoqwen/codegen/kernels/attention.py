@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from ...config import Config
 from ...dims import ModelDims
-from ..gpu import DEFAULT, GpuProfile
+from ..gpu import DEFAULT, SMEM_PER_CTA_RESERVED, GpuProfile
 from ..spec import KernelSpec, Launch, Param, SpecError, VariantParams, inp, out
 
 MAX_ROWS = 16   # the multi-row step's largest bucket
@@ -50,9 +50,8 @@ def _row_table(m: int) -> str:
         if m > 1 else ""
 
 STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ needs no opt-in attribute up to here
-# ptxas adds 1 KB to the static shared size of these kernels on sm_90 (the CTA's system-reserved
-# shared memory, seen in every compiled variant), so the 48 KB check counts it.
-SM90_RESERVED_SMEM = 1024
+# ptxas adds the CTA's system-reserved shared memory (gpu.SMEM_PER_CTA_RESERVED, seen in every compiled
+# variant) to the static shared size of these kernels, so the 48 KB check counts it.
 VEC = 8                        # fp16 per lane per K/V row in attention_decode (one 16-byte load)
 
 
@@ -157,7 +156,7 @@ class AttentionDecodeSpec(VariantParams, KernelSpec):
 
     def _fixed_smem(self) -> int:
         return (2 * self.stages * 8 * self.producers + self.consumer_warps * self.query_rows * self.gqa * 2 * 4
-                + SM90_RESERVED_SMEM)
+                + SMEM_PER_CTA_RESERVED)
 
     def static_smem(self) -> int:
         return self._fixed_smem() + (0 if self.ring_dynamic else self.ring_bytes())
