@@ -38,10 +38,11 @@ def test_variant_parameters_and_grid():
     assert names(GRAPH_SPLIT) == ["q_rot", "k_pool", "v_pool", "page_table", "part_acc", "part_ml", "chunk"]
     assert names(GRAPH_COMBINE) == ["part_acc", "part_ml", "o16", "chunk"]
     assert names(GRAPH_ROPE)[-1] == "chunk" and "p0" not in names(GRAPH_ROPE)
-    assert SPLIT == dataclasses.replace(ATTN, max_splits=AP.MAX_KV_SPLITS)   # same tiles, same smem
+    assert SPLIT == dataclasses.replace(ATTN, max_splits=AP.MAX_KV_SPLITS, pack_gqa=True)   # same tiles, same smem
     assert GRAPH_SPLIT == dataclasses.replace(SPLIT, device_chunk=True)
     assert ATTN.block_keys == COMBINE.block_keys == GRAPH_COMBINE.block_keys == CFG.prefill.attention_block_keys
-    assert SPLIT.launch(32, 16).grid == (1, 28, 16) and ATTN.launch(32).grid == (1, 28, 1)
+    assert SPLIT.launch(32, 16).grid == (4, 4, 16) and ATTN.launch(32).grid == (1, 28, 1)   # 224 rows a KV head
+    assert SPLIT.launch(8, 16).grid == (1, 4, 16) and SPLIT.launch(64, 16).grid == (7, 4, 16)
     assert COMBINE.launch(32).grid == (32, 28, 1) and COMBINE.launch(32).block == (128, 1, 1)
     with pytest.raises(ValueError, match="17 KV splits, the variant takes 1..16"):
         SPLIT.launch(32, 17)
@@ -163,3 +164,31 @@ def test_block_fold_math_equals_attention(p0, n, block_keys):
     assert (m[empty] == -np.inf).all() and (acc[empty] == 0).all()
     blocks = np.arange(m.shape[0])[:, None] * block_keys
     assert (empty[..., 0] == (blocks > pos[None, :])).all()   # exactly the blocks past the row's position
+
+
+def row_map(gqa: int, n: int, bq: int, packed: bool) -> dict:
+    """The kernel's rows as templates/attention_prefill.cu.j2 maps them (row_token, row_head, kv_end and the warps'
+    skip bound), in Python: {(CTA x, grid row y): [(token, query head) of each CTA row]} over a one-KV-head model
+    of ``gqa`` query heads (grid row y is the KV head packed, else the query head)."""
+    rpt = gqa if packed else 1
+    out = {}
+    for x in range(-(-n * rpt // bq)):
+        for y in range(1 if packed else gqa):
+            rows = range(x * bq, min((x + 1) * bq, n * rpt))
+            out[x, y] = [(r // rpt, y * gqa + r % gqa if packed else y) for r in rows]
+            kv_end = min(n, (((x + 1) * bq - 1) // rpt + 1) if packed else (x + 1) * bq)
+            assert kv_end == 1 + max(t for t, _ in out[x, y])   # every key a row of the CTA sees, no more
+            for w0 in range(x * bq, (x + 1) * bq, 16):          # a warp's skip bound: its last row's token
+                warp = [r // rpt for r in range(w0, w0 + 16) if r < n * rpt]
+                assert not warp or (w0 + 15) // rpt >= max(warp)
+    return out
+
+
+@pytest.mark.parametrize("gqa", [7, 1, 4])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 32, 33, 64])
+def test_packed_rows_cover_every_token_and_head_once(gqa, n):
+    """pack_gqa: the CTA rows over (x, kv head) are the n x gqa (token, query head) pairs, each once, as the
+    unpacked grid's are; a CTA's kv_end bounds exactly its rows' keys."""
+    for packed in (False, True):
+        pairs = [p for rows in row_map(gqa, n, 64, packed).values() for p in rows]
+        assert sorted(pairs) == [(t, h) for t in range(n) for h in range(gqa)], (packed, n)

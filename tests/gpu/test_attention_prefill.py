@@ -16,7 +16,8 @@ the 7B dims (4 KV heads x GQA 7) and the tiny model (1 KV head x 7).
   kernel, with 1, 3 and max_splits splits and the runtime's splits_for(p0 + n), held to the same
   tolerances; the partial buffers are poisoned, so a block that no split wrote, or a fold that read a
   block a row does not see, shows. Their device_chunk variants (p0, n from device memory, a grid sized for
-  a 64-row bucket, as a chunk graph replays them) too.
+  a 64-row bucket, as a chunk graph replays them) too. The split variants pack a KV head's query heads into
+  one CTA's rows (pack_gqa); the unpacked split kernel runs beside them with the same bits.
 - Chunk invariance (class (a), DESIGN.md section 12): a position's o16 is the same bits whether its chunk
   was the whole prompt or one of several, unsplit or split over any number of CTAs, launched with its
   p0, n or reading them from the device.
@@ -60,6 +61,7 @@ def fns():
     specs = [s for d in MODELS.values() for s in AP.prefill_attention_specs(d, CFG)]
     specs.append(replace(AP.prefill_attention_specs(MODELS["tiny"], CFG)[1], split=False))
     specs += [s for d in MODELS.values() for s in AP.split_kv_specs(d, CFG)]
+    specs += [replace(AP.split_kv_specs(d, CFG)[0], pack_gqa=False) for d in MODELS.values()]
     specs += [s for d in MODELS.values() for s in (*AP.split_kv_specs(d, CFG, device_chunk=True),
                                                    AP.prefill_attention_specs(d, CFG, device_chunk=True)[0])]
     return {b.spec: driver.load(b) for b in codegen.build_many(specs)}
@@ -226,9 +228,11 @@ def test_prefill_split_kv(fns, model, p0, n):
     runs = [(rope_spec, split_spec, combine_spec, s, None)
             for s in sorted({1, 3, split_spec.max_splits, split_spec.splits_for(p0 + n)})]
     runs.append((g_rope, g_split, g_combine, g_split.max_splits, 64))   # a chunk graph's launches
+    runs.append((rope_spec, replace(split_spec, pack_gqa=False), combine_spec, split_spec.splits_for(p0 + n), None))
     for rope_, split_, combine_, splits, rows in runs:
         o16 = pr.chunk_split_kv(fns, rope_, split_, combine_, p0, n, splits, rows)
-        what = f"{model} split-KV chunk [{p0}, {p0 + n}) splits={splits}{' device_chunk' if rows else ''}"
+        what = (f"{model} split-KV chunk [{p0}, {p0 + n}) splits={splits}{' device_chunk' if rows else ''}"
+                f"{'' if split_.pack_gqa else ' unpacked'}")
         pr.check_pages(p0 + n, what)
         _check_o16(o16, pr.ref, REL_TOL, what)
         # class (a): the key blocks and their fold are the unsplit kernel's, whichever CTA computed them

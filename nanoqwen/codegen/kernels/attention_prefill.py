@@ -13,7 +13,8 @@
    ``block_keys``; a row's softmax restarts at each boundary and the blocks' partials are folded in
    ascending order with explicit roundings, so a position's output is bitwise the same in any chunk.
    Split-KV variant (``max_splits > 1``, for short chunks: a prefix-reuse tail of 32 tokens at p0 = 4064 is
-   28 CTAs walking 64 KV tiles each otherwise): grid ``launch(n, splits)`` = (q tiles, heads, splits), CTA
+   28 CTAs walking 64 KV tiles each otherwise): grid ``launch(n, splits)`` = (q tiles, heads, splits), or with
+   ``pack_gqa`` (row tiles of the n x GQA (token, query head) pairs, kv_heads, splits), CTA
    z walks key blocks z, z + splits, ... and writes each block's partial instead of folding it (parameters
    part_acc, part_ml in place of o16); ``splits_for(p0 + n)`` picks the split count (any count gives the
    same bits: it only says which CTA computes which block).
@@ -96,7 +97,7 @@ class AttentionPrefillSpec(VariantParams, KernelSpec):
     family = "attention_prefill"
     template = "attention_prefill.cu.j2"
     timeable = True   # templates/attention_prefill.cu.j2 places the timeline probe's hooks
-    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "block_keys", "max_splits")
+    uri_fields = ("head_dim", "heads", "kv_heads", "warps", "bkv", "block_keys", "max_splits", "pack_gqa")
 
     head_dim: int
     heads: int
@@ -110,6 +111,7 @@ class AttentionPrefillSpec(VariantParams, KernelSpec):
     max_splits: int = 1      # 1: o16 out; > 1: split-KV partials out, up to max_splits splits (grid.z)
     block_keys: int = 256    # keys per key block: the fixed boundaries of each row's softmax
     device_chunk: bool = False   # p0, n from the device (chunk) rather than the launch
+    pack_gqa: bool = False   # a CTA's rows are (token, query head) pairs of one KV head, not tokens of one head
 
     def _family_params(self) -> tuple[tuple[Param, bool], ...]:
         """Every parameter of the family, in C++ order, with whether this variant takes it."""
@@ -147,8 +149,9 @@ class AttentionPrefillSpec(VariantParams, KernelSpec):
         n = self.max_n if n is None else n
         if not 1 <= splits <= self.max_splits:
             raise ValueError(f"{self.family}: {splits} KV splits, the variant takes 1..{self.max_splits}")
-        bq = 16 * self.warps
-        return Launch(grid=(-(-n // bq), self.heads, splits), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
+        bq, gqa = 16 * self.warps, self.heads // self.kv_heads
+        x, y = (-(-n * gqa // bq), self.kv_heads) if self.pack_gqa else (-(-n // bq), self.heads)
+        return Launch(grid=(x, y, splits), block=(32 * self.warps, 1, 1), smem=self.smem_bytes)
 
     def blocks(self, keys: int) -> int:
         """Key blocks holding keys [0, keys)."""
@@ -215,8 +218,12 @@ def prefill_attention_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFA
 
 def split_kv_specs(dims: ModelDims, cfg: Config, gpu: GpuProfile = DEFAULT, device_chunk: bool = False
                    ) -> tuple[AttentionPrefillSpec, AttentionPrefillCombineSpec]:
-    """The split-KV attention of short chunks and its combine, in launch order."""
-    attn = dataclasses.replace(prefill_attention_specs(dims, cfg, gpu, device_chunk)[1], max_splits=MAX_KV_SPLITS)
+    """The split-KV attention of short chunks and its combine, in launch order. Its CTAs hold (token, query head)
+    pairs of one KV head (``pack_gqa``): a 4-warp CTA of 64 rows held 8 of an 8-token chunk's rows and 32 of a
+    32-token one's, and each of a KV head's 7 query heads copied its K/V tiles (448 CTAs of 96 KB for 264 slots
+    at 4096 keys, about 2 waves; packed, 32 tokens are 256 CTAs and 8 tokens 64)."""
+    attn = dataclasses.replace(prefill_attention_specs(dims, cfg, gpu, device_chunk)[1], max_splits=MAX_KV_SPLITS,
+                               pack_gqa=True)
     return attn, AttentionPrefillCombineSpec(head_dim=dims.head_dim, heads=dims.heads, block_keys=attn.block_keys,
                                              device_chunk=device_chunk)
 
