@@ -1,22 +1,48 @@
-"""The prefix cache's radix tree (runtime/token_trie.py) against a brute-force scan: after any stream of
-inserts and removals of sequences over a small alphabet (so that they share prefixes, end inside each
-other's edges and repeat one another), a prompt's longest shared prefix and the set of sequences sharing
-exactly that much are the scan's, and no node outlives the last sequence through it."""
+"""The prefix cache's radix tree (runtime/token_trie.py) against a brute-force scan: after any stream of inserts
+and removals of sequences over a small alphabet (so that they share prefixes, end inside each other's edges and
+repeat one another), a prompt's longest shared prefix and the set of sequences sharing exactly that much are the
+scan's, and no node outlives the last sequence through it. Its common_prefix against a token-by-token loop, on
+either side of a block boundary."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from nanoqwen.runtime.token_trie import TokenTrie, common_prefix
+from nanoqwen.runtime.token_trie import BLOCK, TokenTrie, common_prefix
 
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=10)
 ops = st.lists(st.tuples(st.booleans(), seqs, st.integers(0, 30)), min_size=1, max_size=40)
 
 
+def naive_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def scan(kept: dict, prompt: list[int]) -> tuple[int, set]:
-    n = max((common_prefix(t, prompt) for t in kept.values()), default=0)
-    return n, ({k for k, t in kept.items() if common_prefix(t, prompt) == n} if n else set())
+    n = max((naive_prefix(t, prompt) for t in kept.values()), default=0)
+    return n, ({k for k, t in kept.items() if naive_prefix(t, prompt) == n} if n else set())
+
+
+LONG = 3 * BLOCK + 3
+
+
+@given(st.integers(0, LONG), st.integers(0, LONG), st.integers(0, LONG), st.booleans())
+@example(LONG, LONG, BLOCK - 1, True)
+@example(LONG, LONG, BLOCK, True)
+@example(LONG, LONG, 2 * BLOCK + 1, True)
+@example(2 * BLOCK, LONG, 0, False)
+def test_common_prefix_is_the_first_difference(length, other, at, change):
+    """Block by block, then token by token: the first position where the lists differ or one ends, on either side
+    of a block boundary."""
+    a = [i % 5 for i in range(length)]
+    b = a[:other] + [9] * max(0, other - length)   # a's first tokens, or a and then others
+    if change and at < len(b):
+        b[at] = 7
+    assert common_prefix(a, b) == common_prefix(b, a) == naive_prefix(a, b)
 
 
 def nodes(node):
