@@ -33,7 +33,8 @@
 #                      config protocol's 512; e.g. 16384 for the long-context step), GPU_CHECK_TIMELINE_ROWS the
 #                      multi-row bucket it times (default 8; timeline-rowsM.png)
 #   GPU_CHECK_BASELINE 1 runs it again with the PyTorch baselines (transformers fp16, torch int4 GEMV)
-#   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark (GPU_CHECK_PREFILL_M: its row counts, default 32 512 4096)
+#   GPU_CHECK_PREFILL  1 runs the prefill GEMM benchmark (GPU_CHECK_PREFILL_M: its row counts, default 32 512 4096);
+#                      "tiles": the INT4 GEMM's tile variants alone, each compared bit for bit with the default tile
 #   GPU_CHECK_ATTENTION 1 runs the decode attention benchmark (attention_decode + combine alone, m = 1..16
 #                      rows at 577 / 4097 / 16385 keys; GPU_CHECK_ATTENTION_ARGS adds e.g. --variant KEY=VALUE)
 #   GPU_CHECK_SERVE    1 runs the server benchmark (TTFT cold / prefix-cached, streamed tokens/s vs the engine);
@@ -207,8 +208,8 @@ fi
     --timeline-rows "${GPU_CHECK_TIMELINE_ROWS:-8}"
 [ "${GPU_CHECK_BASELINE:-0}" = 1 ] && stage baseline "${GPU_CHECK_BASELINE_TIMEOUT:-300}" \
     $PY -m nanoqwen.cli.main bench 7b --out "$OUT/bench-7b-baseline.json"
-[ "${GPU_CHECK_PREFILL:-0}" = 1 ] && stage prefill 240 $PY -m nanoqwen.bench.prefill ${GPU_CHECK_PREFILL_M:+--m $GPU_CHECK_PREFILL_M} \
-    --json "$OUT/prefill.json"
+[ "${GPU_CHECK_PREFILL:-0}" != 0 ] && stage prefill 240 $PY -m nanoqwen.bench.prefill ${GPU_CHECK_PREFILL_M:+--m $GPU_CHECK_PREFILL_M} \
+    $([ "$GPU_CHECK_PREFILL" = tiles ] && echo --tiles) --json "$OUT/prefill.json"
 [ "${GPU_CHECK_ATTENTION:-0}" = 1 ] && stage attention 240 $PY -m nanoqwen.bench.attention \
     ${GPU_CHECK_ATTENTION_ARGS:-} --json "$OUT/attention.json"
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"

@@ -14,8 +14,13 @@ it). Every tile there keeps a row's arithmetic (sequential K, no split-K), so an
 invariance, except the split_k rows (residual roles only): a diagnostic of whether the serial K loop's
 latency, not the bytes, bounds a short chunk (a fixed-order split of K in every GEMM would keep invariance).
 
-Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--json FILE]``
-(those M by default).
+Every tile variant's output is also compared bit for bit with its shape's default tile on the same operands
+(``bits_equal_default``): a tile that keeps a row's arithmetic must give the same bits (split_k's atomic adds need
+not). ``--tiles`` times the INT4 GEMM's tiles alone (no wgmma, GEMV order, attention or row GEMVs): a tile sweep in
+a minute of device time.
+
+Usage on the GPU machine: ``PYTHONPATH=. python3 -m nanoqwen.bench.prefill [--m 32 512 4096] [--tiles] [--json
+FILE]`` (those M by default).
 Timing: events around one launch, after warm-up; median of ``REPS``. A memset of 256 MB (bench/kernels.py
 BLOCKER_BYTES) is queued before each start event, as the GEMV bench's "alone" column does: the GPU is busy
 while the host issues the launch, so the host's launch latency stays out of the time (until 2026-12-07 it was
@@ -150,6 +155,18 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blo
             "vs_fp16": ref / t if ref else None}
 
 
+def tile_bits(spec: G.GemmInt4Spec, m: int) -> np.ndarray:
+    """``spec``'s output over m rows on operands drawn from one fixed seed, the same for every tile of its shape, as
+    raw 32-bit words (the residual epilogue adds into zeros)."""
+    bufs = gemm_buffers(spec, m, np.random.default_rng(0))
+    try:
+        driver.load(codegen.build(spec)).launch(spec.launch(m), None, False, m=m, **bufs)
+        driver.device().synchronize()
+        return bufs["y"].download(dtype=np.uint32)
+    finally:
+        free_buffers(bufs)
+
+
 def bench_attention(n: int, stream, rng, blocker) -> dict:
     d = QWEN25_7B
     _, spec = AP.prefill_attention_specs(d, config.default())
@@ -168,20 +185,21 @@ def bench_attention(n: int, stream, rng, blocker) -> dict:
     return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
 
 
-def _tiles(default, variants, role: str, m: int):
+def _tiles(default, variants, role: str, m: int, say: bool = True):
     """(spec, variant) for each variant this shape can take; the others are printed as skipped."""
     for kw in variants:
         try:
             spec = replace(default, **kw)
             spec.validate()
         except SpecError as e:   # a tile this shape cannot take (the copies must split evenly, ...)
-            print(f"{role:8s} M={m:5d} {str(kw):45s} skipped: {e}", flush=True)
+            if say:
+                print(f"{role:8s} M={m:5d} {str(kw):45s} skipped: {e}", flush=True)
             continue
         yield spec, kw
 
 
-def run(ms=(32, 512, 4096)) -> dict:
-    """Every section; ``ms=()``: the row GEMVs alone."""
+def run(ms=(32, 512, 4096), tiles_only: bool = False) -> dict:
+    """Every section; ``ms=()``: the row GEMVs alone; ``tiles_only``: the INT4 GEMM's tiles alone."""
     stream, rng = driver.Stream(), np.random.default_rng(0)
     cfg = config.default()
     wgmmas = GW.model_gemms(QWEN25_7B, cfg.quant.group_size)
@@ -191,30 +209,38 @@ def run(ms=(32, 512, 4096)) -> dict:
     blocker = driver.DeviceBuffer(kbench.BLOCKER_BYTES)   # _time's
     try:
         for m in ms:
-            _bench_chunk(m, out, cfg, wgmmas, stream, rng, blocker)
+            _bench_chunk(m, out, cfg, wgmmas, stream, rng, blocker, tiles_only)
     finally:
         blocker.free()
-    out["row_gemv"] = bench_row_gemvs(cfg, stream, rng)
+    if not tiles_only:
+        out["row_gemv"] = bench_row_gemvs(cfg, stream, rng)
     stream.close()
     return out
 
 
-def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker) -> None:
-    """The GEMMs of a chunk of m rows (each family, its tile variants) and its attention, into ``out``."""
+def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker, tiles_only: bool = False) -> None:
+    """The GEMMs of a chunk of m rows (each family, its tile variants) and its attention, into ``out``;
+    ``tiles_only``: the INT4 GEMM's tiles alone."""
     group, small = cfg.quant.group_size, cfg.prefill.small_m_tokens
     tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
                        else (G.model_gemms(QWEN25_7B, group), VARIANTS))
     orders = G.config_gemms(QWEN25_7B, cfg, small_m=m <= small, gemv_order=True)
+    codegen.build_many([spec for role, default in tiles.items()   # in parallel, before the first is timed
+                        for spec, _ in _tiles(default, variants, role, m, say=False)])
     for role, default in tiles.items():
         for spec, kw in _tiles(default, variants, role, m):
             r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=not kw) | {"role": role, "variant": kw}
-            out["gemm"].append(r)
+            bits = tile_bits(spec, m)
             if not kw:
-                fp16_s = r["fp16_s"]
+                fp16_s, default_bits = r["fp16_s"], bits
+            r["bits_equal_default"] = bool(np.array_equal(bits, default_bits))
+            out["gemm"].append(r)
             base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
             print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
                   f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
-                  f"({base})", flush=True)
+                  f"({base}){'' if r['bits_equal_default'] else ', other bits than the default'}", flush=True)
+        if tiles_only:
+            continue
         others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),
                   ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS))
         for section, family_default, family_variants in others:   # against the same fp16 time
@@ -226,6 +252,8 @@ def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker) -> 
                 label = section.replace("_", " ") + " " + str(kw or "default")
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
                       f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs})", flush=True)
+    if tiles_only:
+        return
     a = bench_attention(m, stream, rng, blocker)
     out["attention"].append(a)
     print(f"attention n={m:5d}  {a['s'] * 1e3:8.3f} ms  {a['TFLOPs']:6.1f} TFLOP/s (causal flops)", flush=True)
@@ -289,11 +317,12 @@ def main(argv=None) -> None:
     p.add_argument("--m", type=int, nargs="+", default=[32, 512, 4096],
                    help="prefill rows (tokens; at most prefill.small_m_tokens: the small-M tiles)")
     p.add_argument("--row-gemvs-only", action="store_true", help="only the short chunk's row GEMVs (no --m)")
+    p.add_argument("--tiles", action="store_true", help="only the INT4 GEMM's tiles at each --m")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.row_gemvs_only:
         args.m = []
-    res = run(tuple(args.m))
+    res = run(tuple(args.m), tiles_only=args.tiles)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

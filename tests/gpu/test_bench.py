@@ -118,3 +118,16 @@ def test_prefill_norm_bench_writes_its_json(tmp_path):
     for x in r["norm"]:
         assert x["launches"] == 56 and x["s"] > 0 and x["bytes"] == x["m"] * 3584 * 6
         assert 0 < x["GBps"] < 1.5 * r["copy_GBps"]
+
+
+def test_prefill_tile_sweep_keeps_every_rows_bits(tmp_path):
+    """`python -m nanoqwen.bench.prefill --tiles`: the INT4 GEMM's tile variants alone, each timed and each giving
+    its default tile's bits (every tile but split_k's atomic adds keeps a row's arithmetic: chunk invariance)."""
+    from nanoqwen.bench import prefill
+    prefill.main(["--m", "8", "--tiles", "--json", str(tmp_path / "p.json")])
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert r["kind"] == "nanoqwen-bench-prefill" and not r["wgmma"] and not r["gemv_order"] and not r["attention"]
+    assert "row_gemv" not in r and {x["role"] for x in r["gemm"]} == {"qkv", "o_proj", "gate_up", "down"}
+    for x in r["gemm"]:
+        assert x["m"] == 8 and x["s"] > 0, x
+        assert x["bits_equal_default"] or "split_k" in x["variant"], f"{x['uri']}: other bits than the default"
