@@ -155,16 +155,13 @@ def bench_gemm(spec: G.GemmInt4Spec | GW.GemmWgmmaSpec, m: int, stream, rng, blo
             "vs_fp16": ref / t if ref else None}
 
 
-def tile_bits(spec: G.GemmInt4Spec, m: int) -> np.ndarray:
-    """``spec``'s output over m rows on operands drawn from one fixed seed, the same for every tile of its shape, as
+def tile_bits(spec: G.GemmInt4Spec, m: int, bufs: dict[str, driver.DeviceBuffer]) -> np.ndarray:
+    """``spec``'s output over m rows on ``bufs`` (one operand set for every tile of its shape, ``gemm_buffers``), as
     raw 32-bit words (the residual epilogue adds into zeros)."""
-    bufs = gemm_buffers(spec, m, np.random.default_rng(0))
-    try:
-        driver.load(codegen.build(spec)).launch(spec.launch(m), None, False, m=m, **bufs)
-        driver.device().synchronize()
-        return bufs["y"].download(dtype=np.uint32)
-    finally:
-        free_buffers(bufs)
+    bufs["y"].memset_u32(0)
+    driver.load(codegen.build(spec)).launch(spec.launch(m), None, False, m=m, **bufs)
+    driver.device().synchronize()
+    return bufs["y"].download(dtype=np.uint32)
 
 
 def bench_attention(n: int, stream, rng, blocker) -> dict:
@@ -228,17 +225,21 @@ def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker, til
     codegen.build_many([spec for role, default in tiles.items()   # in parallel, before the first is timed
                         for spec, _ in _tiles(default, variants, role, m, say=False)])
     for role, default in tiles.items():
-        for spec, kw in _tiles(default, variants, role, m):
-            r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=not kw) | {"role": role, "variant": kw}
-            bits = tile_bits(spec, m)
-            if not kw:
-                fp16_s, default_bits = r["fp16_s"], bits
-            r["bits_equal_default"] = bool(np.array_equal(bits, default_bits))
-            out["gemm"].append(r)
-            base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
-            print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
-                  f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
-                  f"({base}){'' if r['bits_equal_default'] else ', other bits than the default'}", flush=True)
+        operands = gemm_buffers(default, m, np.random.default_rng(0))   # every tile's bits, on one operand set
+        try:
+            for spec, kw in _tiles(default, variants, role, m):
+                r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=not kw) | {"role": role, "variant": kw}
+                bits = tile_bits(spec, m, operands)
+                if not kw:
+                    fp16_s, default_bits = r["fp16_s"], bits
+                r["bits_equal_default"] = bool(np.array_equal(bits, default_bits))
+                out["gemm"].append(r)
+                base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
+                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
+                      f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
+                      f"({base}){'' if r['bits_equal_default'] else ', other bits than the default'}", flush=True)
+        finally:
+            free_buffers(operands)
         if tiles_only:
             continue
         others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),

@@ -18,8 +18,8 @@ BLOCK = 256   # tokens compared by one list comparison before the per-token sear
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists: block by block with list comparisons (C speed:
-    a keystroke's 4096-token re-request in ~20 us on the CPU, against ~190 us converting both to arrays),
-    then token by token inside the first block that differs."""
+    4096 tokens in ~35 us on the CPU, against ~190 us converting both to arrays), then token by token inside the
+    first block that differs."""
     n = min(len(a), len(b))
     for lo in range(0, n, BLOCK):
         hi = min(lo + BLOCK, n)
