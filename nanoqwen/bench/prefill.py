@@ -52,10 +52,13 @@ from .replay import blocked_seconds
 
 REPS = 20
 WARMUP = 3
-# Tile variants timed beside each shape's default (tuning data; the first is the spec default).
-VARIANTS = ({}, dict(bm=64, min_blocks=2), dict(bk=128, stages=3), dict(bm=64, bn=64, warps_n=2, min_blocks=3),
-            dict(stages=3), dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
-            dict(split_k=2), dict(split_k=4))   # split_k: residual GEMMs only
+# Tile variants timed beside each shape's default (tuning data; the first is the role's tile,
+# gemm.LARGE_M_ROLE_TILES, the second the spec's generic 128 x 128 tile it replaced).
+GENERIC = dict(bm=128, bn=128, bk=64, warps_m=2, warps_n=4, stages=4, min_blocks=1)
+VARIANTS = ({}, GENERIC, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=128, stages=3),
+            GENERIC | dict(bm=64, bn=64, warps_n=2, min_blocks=3), GENERIC | dict(stages=3),
+            GENERIC | dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
+            GENERIC | dict(split_k=2), GENERIC | dict(split_k=4))   # split_k: residual GEMMs only
 # The warp-specialized wgmma GEMM: its default tile, the drain-every-chunk fallback, one consumer warpgroup
 # of two row blocks, 64-token instructions over 256 weight rows (more FLOPs per byte of X from L2), a
 # deeper ring; then the same 64-token instruction over 128 and 64 weight rows, for short chunks: bn and the
