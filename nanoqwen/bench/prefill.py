@@ -58,6 +58,11 @@ GENERIC = dict(bm=128, bn=128, bk=64, warps_m=2, warps_n=4, stages=4, min_blocks
 VARIANTS = ({}, GENERIC, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=128, stages=3),
             GENERIC | dict(bm=64, bn=64, warps_n=2, min_blocks=3), GENERIC | dict(stages=3),
             GENERIC | dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
+            GENERIC | dict(bk=128, stages=4),
+            # one warp along M: each warp dequantizes its weights for all bm rows (with two, both warps of a
+            # column dequantize the same weights): half the dequant instructions an MMA, twice the X fragments
+            W1 := GENERIC | dict(warps_m=1, warps_n=8), W1 | dict(bk=128, stages=3), W1 | dict(bn=256),
+            W1 | dict(bm=64, min_blocks=2), GENERIC | dict(warps_m=1, bn=64, min_blocks=2),
             GENERIC | dict(split_k=2), GENERIC | dict(split_k=4))   # split_k: residual GEMMs only
 # The warp-specialized wgmma GEMM: its default tile, the drain-every-chunk fallback, one consumer warpgroup
 # of two row blocks, 64-token instructions over 256 weight rows (more FLOPs per byte of X from L2), a
