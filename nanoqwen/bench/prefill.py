@@ -57,7 +57,7 @@ WARMUP = 3
 GENERIC = dict(bm=128, bn=128, bk=64, warps_m=2, warps_n=4, stages=4, min_blocks=1)
 VARIANTS = ({}, GENERIC, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=128, stages=3),
             GENERIC | dict(bm=64, bn=64, warps_n=2, min_blocks=3), GENERIC | dict(stages=3),
-            GENERIC | dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # the last for small M
+            GENERIC | dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # for small M
             GENERIC | dict(bk=128, stages=4),
             # one warp along M: each warp dequantizes its weights for all bm rows (with two, both warps of a
             # column dequantize the same weights): half the dequant instructions an MMA, twice the X fragments
