@@ -5,6 +5,7 @@ by side."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import stat
@@ -255,3 +256,22 @@ def test_chain_judges_separated_by_semicolons_run_in_turn(tmp_path):
     assert (tmp_path / "runs.txt").read_text() == (
         f"chain -m nanoqwen.tuning.chain gate_up --rows 4 unroll=2 --json {out / 'chain.json'}\n"
         f"chain -m nanoqwen.tuning.chain down --rows 4 prefetch=1,unroll=2 --json {out / 'chain-2.json'}\n")
+
+
+def test_ab_tree_applies_patches_to_the_tree_only(tmp_path):
+    """tools/ab_tree.sh COMMIT PATCH...: the commit's tree with the patches applied in order, named for them; a
+    hunk outside the tree's folders (tests) is left out rather than failing the patch."""
+    def at_head(path: str) -> list[str]:   # the patch is written against the commit, not the working tree
+        return subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.splitlines(keepends=True)
+    patch = tmp_path / "extra.patch"
+    patch.write_text("".join(line for path in ("nanoqwen/__init__.py", "tests/conftest.py")
+                             for line in difflib.unified_diff(at_head(path), at_head(path) + ["# patched\n"],
+                                                              f"a/{path}", f"b/{path}")))
+    out = subprocess.run(["bash", str(ROOT / "tools" / "ab_tree.sh"), "HEAD", str(patch)], capture_output=True,
+                         text=True, env={**os.environ, "AB_DIR": str(tmp_path / "ab")})
+    assert out.returncode == 0, out.stderr
+    tree = tmp_path / "ab" / "HEAD+extra"
+    assert out.stdout.strip() == str(tree)
+    assert (tree / "nanoqwen" / "__init__.py").read_text().endswith("# patched\n")
+    assert (tree / "templates").is_dir() and not (tree / "tests").exists()
