@@ -14,8 +14,7 @@ dest=${AB_DIR:-.ab}/$commit
 for p in "$@"; do dest+="+$(basename "$p" .patch)"; done
 rm -rf "$dest" && mkdir -p "$dest"
 git archive "$commit" "${parts[@]}" | tar -x -C "$dest"
-for p in "$@"; do
-    git apply --unsafe-paths --directory="$dest" --include="$dest/pyproject.toml" --include="$dest/nanoqwen/*" \
-        --include="$dest/templates/*" --include="$dest/config/*" --include="$dest/tune/*" "$p"
-done
+keep=()   # the patches' hunks inside the tree's parts (git apply matches them after --directory)
+for part in "${parts[@]}"; do keep+=(--include="$dest/$part" --include="$dest/$part/*"); done
+for p in "$@"; do git apply --unsafe-paths --directory="$dest" "${keep[@]}" "$p"; done
 echo "$dest"
