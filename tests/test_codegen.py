@@ -382,8 +382,8 @@ def test_gpu_profile_reaches_the_specs():
     assert split["attention_decode"].splits == cfg.attention.ctas_per_sm * 114 // QWEN25_7B.kv_heads
     assert split["lm_head_argmax"].ctas == cfg.lm_head.ctas_per_sm * 114
     small = gpu.GpuProfile("small", sm_count=8, max_smem=64 * 1024)
-    with pytest.raises(SpecError, match=r"gemm_int4: 81920 bytes of shared memory > max_smem 65536"):
-        gemm.model_gemms(QWEN25_7B, 128, small)["qkv"].validate()
+    with pytest.raises(SpecError, match=r"gemm_int4: 122880 bytes of shared memory > max_smem 65536"):
+        gemm.model_gemms(QWEN25_7B, 128, small)["gate_up"].validate()
     with pytest.raises(SpecError, match=r"attention_prefill: \d+ bytes of shared memory > max_smem 40960"):
         attention_prefill.prefill_attention_specs(QWEN25_7B, cfg, gpu.GpuProfile("tiny", 8, 40 * 1024))[1].validate()
 

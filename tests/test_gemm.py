@@ -112,13 +112,14 @@ def test_short_chunk_tiles_take_their_scales_from_the_ring(order):
 
 
 def test_gemm_launch_follows_m():
-    s = G.model_gemms(QWEN25_7B)["qkv"]
-    assert s.launch(1).grid == (4608 // 128, 1, 1)
-    assert s.launch(129).grid == (4608 // 128, 2, 1)
-    assert s.launch().grid == (36, 4096 // 128, 1)
-    assert s.launch(1).smem == 4 * (128 * 64 * 2 + 128 * 64 // 2)
-    gu = G.model_gemms(QWEN25_7B)["gate_up"]
+    s = G.model_gemms(QWEN25_7B)["qkv"]   # 64 x 64 tiles (LARGE_M_ROLE_TILES)
+    assert s.launch(1).grid == (4608 // 64, 1, 1)
+    assert s.launch(65).grid == (4608 // 64, 2, 1)
+    assert s.launch() == Launch(grid=(72, 4096 // 64, 1), block=(128, 1, 1), smem=4 * (64 * 64 * 2 + 64 * 64 // 2))
+    gu = G.model_gemms(QWEN25_7B)["gate_up"]   # 128 x 128, a 128-deep k-tile on 3 stages
     assert gu.n == 2 * 18944 and gu.epilogue == "swiglu"
+    assert gu.launch(129) == Launch(grid=(37888 // 128, 2, 1), block=(256, 1, 1),
+                                    smem=3 * (128 * 128 * 2 + 128 * 128 // 2))
     small = G.model_gemms(QWEN25_7B, small_m=True)
     assert small["qkv"].launch(32) == Launch(grid=(4608 // 32, 2, 1), block=(128, 1, 1),
                                              smem=4 * (16 * 128 * 2 + 32 * 128 // 2 + 4 * 32))   # X, W, scale words

@@ -206,11 +206,11 @@ def test_chunks_pick_their_gemm_tiles(nqfile, monkeypatch, small_m):
 
 def test_small_m_tiles_fill_the_gpu():
     """7B at M = 32: the small-M tiles give every GEMM role >= 224 CTAs (132 SMs; gate_up's 32 x 64 tiles
-    592), the default tiles N/128; both variants are in the kernel table."""
+    592), the long chunks' tiles N/128 (qkv's N/64); both variants are in the kernel table."""
     specs = prefill_mod.prefill_specs(QWEN25_7B, config.default())
     ctas = {r: specs["prefill.small." + r].launch(32).grid for r in gemm.model_gemms(QWEN25_7B)}
     assert ctas == {"qkv": (144, 2, 1), "o_proj": (112, 2, 1), "gate_up": (592, 1, 1), "down": (112, 2, 1)}
-    assert {r: specs["prefill." + r].launch(32).grid[0] for r in ctas} == {"qkv": 36, "o_proj": 28, "gate_up": 296,
+    assert {r: specs["prefill." + r].launch(32).grid[0] for r in ctas} == {"qkv": 72, "o_proj": 28, "gate_up": 296,
                                                                           "down": 28}
     for r in ctas:   # same GEMM, other tiles
         big, small = specs["prefill." + r], specs["prefill.small." + r]

@@ -52,11 +52,10 @@ from .replay import blocked_seconds
 
 REPS = 20
 WARMUP = 3
-# Tile variants timed beside each shape's default (tuning data; the first is the spec default). The others are
-# spelled from the generic 128 x 128 tile, the spec default until a role takes its own
-# (docs/wip/gemm-large-role-tiles.patch, which times the generic tile itself beside it).
+# Tile variants timed beside each shape's default (tuning data; the first is the role's tile,
+# gemm.LARGE_M_ROLE_TILES, the second the spec's generic 128 x 128 tile it replaced).
 GENERIC = dict(bm=128, bn=128, bk=64, warps_m=2, warps_n=4, stages=4, min_blocks=1)
-VARIANTS = ({}, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=128, stages=3),
+VARIANTS = ({}, GENERIC, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=128, stages=3),
             GENERIC | dict(bm=64, bn=64, warps_n=2, min_blocks=3), GENERIC | dict(stages=3),
             GENERIC | dict(bm=32, warps_m=1, warps_n=8, min_blocks=2),   # for small M
             GENERIC | dict(bk=128, stages=4),

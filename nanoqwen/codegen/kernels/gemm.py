@@ -22,6 +22,11 @@ with the scale, the splits' totals added in split order, the GEMV's epilogue (te
 MMAs"). Then bn counts weight rows in 16s per warp and bm tokens in 8s, bk is the group (128), and split_k
 stays 1 (atomic adds have no order). Both fields are late fields: the fold-order kernels keep their names.
 
+``LARGE_M_ROLE_TILES`` changes the default 128 x 128 tile per role for the long chunks (65..512 rows), from
+two sweeps at M = 512 on H100s (2026-12-06 and 12-07, bench.prefill; perf-notes, twenty-ninth session): qkv
+(4608 columns: 36 x 4 CTAs of the default tile on 132 SMs) takes 64 x 64 tiles, three CTAs an SM (113 -> 91 us),
+the others a 128-deep k-tile on a 3-stage ring (gate_up 517 -> 501 us, down 284 -> 279, o_proj 64.2 -> 63.5).
+
 ``SMALL_M_TILES`` is the tile set for chunks of a few rows (a prefix-reuse tail, a short prompt): the
 default 128 x 128 tile gives M <= 128 only N/128 CTAs (28 for o_proj/down on 132 SMs), each streaming 128
 weight rows with most of its X rows empty; 16-row tiles waste at most 15 rows and bn 32 gives N/32 x
@@ -160,6 +165,8 @@ class GemmInt4Spec(KernelSpec):
         return 2 * m * self.n * self.k
 
 
+LARGE_M_ROLE_TILES = {"qkv": dict(bm=64, bn=64, warps_n=2, min_blocks=3), "o_proj": dict(bk=128, stages=3),
+                      "gate_up": dict(bk=128, stages=3), "down": dict(bk=128, stages=3)}
 # one warp row of 16 x 8 warp tiles; bk 128 so the 128 threads split both tile copies evenly
 SMALL_M_TILES = dict(bm=16, bn=32, bk=128, warps_m=1, warps_n=4, stages=4, scale_ring=True)
 SMALL_M_ROLE_TILES = {"gate_up": dict(bm=32, bn=64), "down": dict(warps_n=2, stages=8)}
@@ -184,9 +191,9 @@ def role_shapes(dims: ModelDims) -> dict[str, dict]:
 
 def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT, small_m: bool = False,
                 gemv_splits: dict[str, int] | None = None) -> dict[str, GemmInt4Spec]:
-    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM); with
-    ``small_m`` in SMALL_M_TILES, for chunks of a few rows; with ``gemv_splits`` ({role: the GEMV's K
-    splits}) in the GEMV order, each split count shrunk to whole groups for small test models."""
+    """The four prefill GEMMs of one decoder layer, by role (q, k, v stacked into one qkv GEMM), in
+    LARGE_M_ROLE_TILES; with ``small_m`` in SMALL_M_TILES, for chunks of a few rows; with ``gemv_splits``
+    ({role: the GEMV's K splits}) in the GEMV order, each split count shrunk to whole groups for small test models."""
     specs = {}
     for role, shape in role_shapes(dims).items():
         kw = dict(group=group, max_smem=gpu.max_smem)
@@ -195,6 +202,8 @@ def model_gemms(dims: ModelDims, group: int = 128, gpu: GpuProfile = DEFAULT, sm
                        **(GEMV_ORDER_SMALL_M_TILES if small_m else GEMV_ORDER_TILES))
         elif small_m:
             kw |= SMALL_M_TILES | SMALL_M_ROLE_TILES.get(role, {})
+        else:
+            kw |= LARGE_M_ROLE_TILES[role]
         specs[role] = GemmInt4Spec(**shape, **kw)
     return specs
 
