@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from nanoqwen import codegen, config
+from nanoqwen.codegen.kernels import gemm as G
 from nanoqwen.codegen.kernels import gemm_wgmma as W
 from nanoqwen.runtime import driver
 
@@ -87,3 +88,25 @@ def test_rows_do_not_depend_on_m(fns, role):
     tail, _ = g.run(fns[short], 32, resid)
     np.testing.assert_array_equal(tail.view(np.uint8), big[:32].view(np.uint8),
                                   err_msg=f"{short.uri} (short chunks' tile) M=32 vs {spec.uri} M=512")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_wgmma_rows_are_the_mma_sync_rows(fns, role):
+    """Whether wgmma's m64nNk16 and mma.sync's m16n8k16 give an element the same bits when they see the same fp16
+    operands in the same K order (the weights are wgmma's A and mma.sync's B): if they do, the long chunks may run
+    on wgmma while the short ones keep the mma.sync tiles, and a row is still the same bits in any chunk. Both
+    kernels fold each group's scale into fp16 weights and chain k16 MMAs over K into one fp32 accumulator."""
+    spec = _role_spec("7b", role)
+    mma = G.model_gemms(MODELS["7b"], CFG.quant.group_size)[role]
+    mma_fn = driver.load(codegen.build(mma))
+    rng = np.random.default_rng(7)
+    g = Gemm(spec, rng, 512)
+    resid = rng.standard_normal((512, spec.n)).astype(np.float32)
+    for m in (512, 7):
+        g.spec = spec
+        want, _ = g.run(fns[spec], m, resid)
+        g.spec = mma
+        got, _ = g.run(mma_fn, m, resid)
+        differ = np.count_nonzero(got.view(np.uint8) != want.view(np.uint8))
+        print(f"{role} M={m}: {differ} bytes of {got.nbytes} differ between {mma.uri} and {spec.uri}")
+        assert differ == 0, f"{role} M={m}: {differ} bytes differ between {mma.uri} and {spec.uri}"
