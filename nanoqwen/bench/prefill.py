@@ -64,13 +64,13 @@ VARIANTS = ({}, GENERIC, GENERIC | dict(bm=64, min_blocks=2), GENERIC | dict(bk=
             W1 := GENERIC | dict(warps_m=1, warps_n=8), W1 | dict(bk=128, stages=3), W1 | dict(bn=256),
             W1 | dict(bm=64, min_blocks=2), GENERIC | dict(warps_m=1, bn=64, min_blocks=2),
             GENERIC | dict(split_k=2), GENERIC | dict(split_k=4))   # split_k: residual GEMMs only
-# The warp-specialized wgmma GEMM: its default tile, the drain-every-chunk fallback, one consumer warpgroup
-# of two row blocks, 64-token instructions over 256 weight rows (more FLOPs per byte of X from L2), a
-# deeper ring; then the same 64-token instruction over 128 and 64 weight rows, for short chunks: bn and the
-# consumer count leave a row's K chain as it is, so a chunk may pick them by M and keep its bits (with
-# bm 64 x bn 256, a 32-row tail runs 14-18 CTAs for qkv, o_proj and down: the 14.6 ms re-request)
-WGMMA_VARIANTS = ({}, {"inflight": 0}, {"consumers": 1}, {"bm": 64, "bn": 256}, {"stages": 8},
-                  {"bm": 64, "bn": 128}, {"bm": 64, "bn": 64, "consumers": 1})
+# The warp-specialized wgmma GEMM (the long chunks' GEMM of the roles in prefill.wgmma): its default tile, the
+# drain-every-chunk fallback, one consumer warpgroup of two row blocks, a deeper ring; then 128- and 256-token
+# instructions (each dequantized weight serves 2x / 4x the tokens of the default's 64: 112-174 registers, no
+# spills), a tile's bits always the mma.sync default's
+WGMMA_VARIANTS = ({}, {"inflight": 0}, {"consumers": 1}, {"stages": 8}, {"bm": 128, "bn": 128},
+                  {"bm": 128, "bn": 128, "stages": 4}, {"bm": 128, "bn": 128, "consumers": 1},
+                  {"bm": 256, "bn": 64, "consumers": 1})
 # Small-M tile variants (the first is the small-M default; invalid ones for a shape are skipped).
 SMALL_VARIANTS = ({}, dict(bn=64), dict(bn=128), dict(bn=64, warps_n=8), dict(bm=32, warps_m=2),
                   dict(bm=32, warps_m=2, bn=64), dict(stages=6), dict(bk=64, stages=8), dict(bm=32, warps_m=2, bn=128),
@@ -190,6 +190,10 @@ def bench_attention(n: int, stream, rng, blocker) -> dict:
     return {"uri": spec.uri, "n": n, "s": t, "TFLOPs": spec.flops(0, n) / t / 1e12}
 
 
+def _bits_note(r: dict) -> str:
+    return ", other bits than the default" if r.get("bits_equal_default") is False else ""
+
+
 def _tiles(default, variants, role: str, m: int, say: bool = True):
     """(spec, variant) for each variant this shape can take; the others are printed as skipped."""
     for kw in variants:
@@ -230,8 +234,12 @@ def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker, til
     tiles, variants = ((G.model_gemms(QWEN25_7B, group, small_m=True), SMALL_VARIANTS) if m <= small
                        else (G.model_gemms(QWEN25_7B, group), VARIANTS))
     orders = G.config_gemms(QWEN25_7B, cfg, small_m=m <= small, gemv_order=True)
+    others = {} if tiles_only else {   # the other GEMM families, against the same fp16 time
+        role: (("wgmma", wgmmas[role], WGMMA_VARIANTS),
+               ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS)) for role in tiles}
     codegen.build_many([spec for role, default in tiles.items()   # in parallel, before the first is timed
-                        for spec, _ in _tiles(default, variants, role, m, say=False)])
+                        for _, d, vs in (("gemm", default, variants), *others.get(role, ()))
+                        for spec, _ in _tiles(d, vs, role, m, say=False)])
     for role, default in tiles.items():
         operands = gemm_buffers(default, m, np.random.default_rng(0))   # every tile's bits, on one operand set
         try:
@@ -245,22 +253,21 @@ def _bench_chunk(m: int, out: dict, cfg, wgmmas: dict, stream, rng, blocker, til
                 base = f"{r['fp16_TFLOPs']:.0f} TFLOP/s fp16, {r['vs_fp16']:.2f}x" if r["fp16_s"] else "-"
                 print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {str(kw or 'default'):45s} "
                       f"{r['s'] * 1e3:8.3f} ms {r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights "
-                      f"({base}){'' if r['bits_equal_default'] else ', other bits than the default'}", flush=True)
+                      f"({base}){_bits_note(r)}", flush=True)
+            for section, family_default, family_variants in others.get(role, ()):
+                for spec, kw in _tiles(family_default, family_variants, role, m):
+                    r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=False) | {"role": role, "variant": kw}
+                    r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
+                    if section == "wgmma":   # the fold order too: a row's bits are the mma.sync tile's
+                        r["bits_equal_default"] = bool(np.array_equal(tile_bits(spec, m, operands), default_bits))
+                    out[section].append(r)
+                    vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
+                    label = section.replace("_", " ") + " " + str(kw or "default")
+                    print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
+                          f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs}){_bits_note(r)}",
+                          flush=True)
         finally:
             free_buffers(operands)
-        if tiles_only:
-            continue
-        others = (("wgmma", wgmmas[role], WGMMA_VARIANTS),
-                  ("gemv_order", orders[role], SMALL_ORDER_VARIANTS if m <= small else ORDER_VARIANTS))
-        for section, family_default, family_variants in others:   # against the same fp16 time
-            for spec, kw in _tiles(family_default, family_variants, role, m):
-                r = bench_gemm(spec, m, stream, rng, blocker, with_fp16=False) | {"role": role, "variant": kw}
-                r["vs_fp16"] = fp16_s / r["s"] if fp16_s else None
-                out[section].append(r)
-                vs = f"{r['vs_fp16']:.2f}x fp16" if fp16_s else "-"
-                label = section.replace("_", " ") + " " + str(kw or "default")
-                print(f"{role:8s} M={m:5d} N={spec.n:6d} K={spec.k:6d} {label:45s} {r['s'] * 1e3:8.3f} ms "
-                      f"{r['TFLOPs']:6.1f} TFLOP/s {r['weight_GBps']:6.0f} GB/s of weights ({vs})", flush=True)
     if tiles_only:
         return
     a = bench_attention(m, stream, rng, blocker)
