@@ -43,7 +43,8 @@
 #                      carry) are installed first
 #   GPU_CHECK_CHUNKS   1 times each prefill chunk graph bucket at the end of a 4096-token prompt, against the bytes
 #                      it must read (bench/chunks.py: the re-request's prefill without server, host or lm_head;
-#                      chunks.json), and the 32-row chunk's kernels inside its graph (timeline-chunk32.png)
+#                      chunks.json), the 32-row chunk's kernels inside its graph (timeline-chunk32.png), and a cold
+#                      512-row chunk kernel by kernel: as a chain and each kernel alone (chunks.json long_chunk)
 #   GPU_CHECK_CONCURRENCY 1 runs the server's concurrency table (1..16 streaming clients at once, TTFT while 7
 #                      decode; concurrency.json; needs the wheels as GPU_CHECK_SERVE)
 #   GPU_CHECK_LLAMA    1 runs llama.cpp on the same GPU (bench/llamacpp.py: llama-bench's pp512 and tg128 at depths
@@ -215,7 +216,8 @@ fi
 [ "${GPU_CHECK_SERVE:-0}" = 1 ] && stage serve 540 $PY -m nanoqwen.bench.serve --json "$OUT/serve-7b.json"
 [ "${GPU_CHECK_CONCURRENCY:-0}" = 1 ] && stage concurrency 540 $PY -m nanoqwen.bench.serve --concurrency \
     --json "$OUT/concurrency.json"
-[ "${GPU_CHECK_CHUNKS:-0}" = 1 ] && stage chunks 300 $PY -m nanoqwen.bench.chunks --timeline 32 --json "$OUT/chunks.json"
+[ "${GPU_CHECK_CHUNKS:-0}" = 1 ] && stage chunks 300 $PY -m nanoqwen.bench.chunks --timeline 32 --profile-rows 512 \
+    --json "$OUT/chunks.json"
 [ "${GPU_CHECK_SPECULATE:-0}" = 1 ] && stage speculate 400 $PY -m nanoqwen.bench.speculate --json "$OUT/speculate.json"
 if [ "${GPU_CHECK_SPECULATE:-0}" = steps ]; then   # this tree, then each A/B tree's, then this tree's again
     stage steps 150 $PY -m nanoqwen.bench.speculate --steps --json "$OUT/steps.json"

@@ -14,7 +14,9 @@
   argmaxes before and after;
 * a short prefill chunk's timeline (``measure_chunk``): every timeable kernel of the bucket's graph stamped in
   order, its own time within the span, and the timed replay leaves the chunk's residual rows the untimed graph
-  left, bit for bit."""
+  left, bit for bit;
+* a long chunk's profile (bench/chunks.py ``profile_chunk``): every launch timed, the chain too, the rows' bits
+  unchanged."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import numpy as np
 import pytest
 
 from ._gpu_util import fill_kv, fresh_rng, one_step
-from nanoqwen.bench import timeline
+from nanoqwen.bench import chunks, timeline
 
 pytestmark = pytest.mark.gpu
 
@@ -125,3 +127,24 @@ def test_a_prefill_chunks_timeline(setup):
     assert all(k["start_us"] <= k["wait_us"] <= k["end_us"] for k in tl["kernels"])
     assert 0 < tl["union_us"] <= tl["span_us"] <= tl["timed_graph_step_us"] + 1e-3 * tl["timer_quantum_ns"]
     print(timeline.summary(tl), file=sys.stderr)
+
+
+def test_a_long_chunks_profile(setup):
+    """bench.chunks ``profile_chunk`` on a cold chunk of 100 rows (kernel by kernel: more than the graphs' 64 rows):
+    every launch timed alone and the chain whole, and the chunk's residual rows the same bits afterwards (each run
+    recomputed the same ids at the same positions)."""
+    session, *_rest = setup
+    pre, n = session.prefiller, 100
+    ids = fresh_rng().integers(0, session.dims.vocab, n).tolist()
+    session.runner.reserve(n + 1)
+    pre(ids, 0)
+    session.state.drain()
+    before = pre.bufs.h.download(shape=(n, session.dims.hidden), dtype=np.float32)
+    prof = chunks.profile_chunk(pre, ids, reps=3)
+    after = pre.bufs.h.download(shape=(n, session.dims.hidden), dtype=np.float32)
+    assert np.array_equal(before, after) and np.isfinite(before).all()
+    assert prof["rows"] == n and len(prof["kernels"]) == len(chunks.chunk_launches(pre, n))
+    assert prof["chain_ms"] > 0 and all(k["us"] > 0 for k in prof["kernels"])
+    assert sum(r["launches"] for r in prof["by_role"].values()) == len(prof["kernels"])
+    assert {"gate_up", "down", "attention"} <= set(prof["by_role"])
+    print(chunks.profile_summary(prof), file=sys.stderr)
