@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_decoder_plan import MEM, fake_runner, nqfile  # noqa: F401
+from test_decoder_plan import fake_runner, nqfile  # noqa: F401
 from test_prefill_plan import RecFn
 
 from nanoqwen import config

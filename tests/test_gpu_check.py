@@ -235,7 +235,8 @@ def test_the_gemm_profile_times_the_tiles_then_profiles_them(tmp_path):
 def test_the_chunk_bench_writes_its_json(tmp_path):
     assert _gpu_check(tmp_path, GPU_CHECK_TESTS="none", GPU_CHECK_CHUNKS="1") == 0
     out = tmp_path / "out" / "chunks.json"
-    assert (tmp_path / "runs.txt").read_text() == f"-m nanoqwen.bench.chunks --timeline 32 --profile-rows 512 --json {out}\n"
+    assert (tmp_path / "runs.txt").read_text() == (f"-m nanoqwen.bench.chunks --timeline 32 --profile-rows 512 "
+                                                   f"--json {out}\n")
 
 
 def test_the_gemm_sweep_times_both_orders_at_each_row_count(tmp_path):
