@@ -537,12 +537,18 @@ def test_multirow_bench_glue_on_fakes(monkeypatch):
 def test_speculate_bench_edit_cases_and_oracle():
     """bench/speculate.py: the code-edit workload has 24 cases of the three kinds from the committed source,
     each prompt ending with the changed copy's first line; the oracle drafter drafts the known continuation."""
-    from nanoqwen.bench import speculate
+    from nanoqwen.bench import edits, speculate
     text = (Path(__file__).parent / "data" / "textwrap-cpython-3.11.7.py.txt").read_text()
-    cases = speculate.edit_cases(text)
+    cases = edits.edit_cases(text)
     assert len(cases) == 24 and {k for _, k in cases} == {"rename", "argument", "constant"}
     assert all(p.rstrip().split("\n")[-1].lstrip().startswith("def ") for p, _ in cases)
     assert any("_v2(" in p for p, k in cases if k == "rename")
+    src = "    def f(self, x):\n        return x[0] + 10 + 0.5 + a0 + 0\n"
+    fn = edits.functions(src)[0]
+    assert fn == (src, "    ", "f", "self, x")
+    rest = "        return x[0] + 10 + 0.5 + a0 + 0\n"
+    assert [edits.edit(*fn, k)[1] for k in edits.KINDS] == [rest, rest, "        return x[1] + 10 + 0.5 + a0 + 1\n"]
+    assert edits.edit(*fn, "argument")[0].endswith("    def f(self, x, verbose=False):\n")
     o = speculate.Oracle([1, 2], [7, 8, 9, 10], k=3)
     assert o.draft(10) == [7, 8, 9] and o.draft(2) == [7, 8]
     o.append([7, 8])

@@ -10,6 +10,7 @@ from nanoqwen.runtime.drafters import PromptLookup
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 COSTS = {1: 2.0, 2: 2.2, 4: 2.8, 8: 4.1, 16: 11.0}
+COPIED = 80   # characters of the changed copy the edit model must write (margin for another CPU's rounding)
 
 
 @pytest.mark.parametrize("costs", [None, COSTS])
@@ -56,3 +57,30 @@ def test_sensitivity_prices_each_bucket_cheaper_in_turn():
             assert x > base["speedup"]
         elif m > max(used):
             assert x == pytest.approx(base["speedup"])
+
+
+def test_a_measured_run_of_another_model_needs_the_hosts_work_given():
+    """A speculate JSON from before the edit model (its edit run records no model: small-py's) prices the
+    rounds but cannot calibrate the host's work a verify: without --host-ms the replay refuses, before it runs
+    anything."""
+    from nanoqwen.bench.edit_replay import run
+    with pytest.raises(ValueError, match="tests/data/small-py's, not tests/data/small-py-edit's"):
+        run({"edit": {"costs_ms": {"1": 0.05}}}, {})
+
+
+def test_the_edit_model_writes_the_changed_copy():
+    """bench/edits.EDIT_MODEL, trained on the workload's format from other files than its source, continues
+    a function (each change) with the copy the instruction asks for: 109 characters of it here, where small-py,
+    which never saw the format, copies 61 (measured when it was trained: docs/perf-notes.md)."""
+    from nanoqwen import paths
+    from nanoqwen.backends import ReferenceEngine
+    from nanoqwen.bench.edits import EDIT_MODEL, EDIT_SOURCE, KINDS, edit, functions
+    from nanoqwen.modelcache import resolve
+    from nanoqwen.tokenizer import load
+    top = paths.checkout()
+    model, fn = top / EDIT_MODEL, functions((top / EDIT_SOURCE).read_text())[2]
+    tok, engine = load(model), ReferenceEngine(resolve(model, log=lambda m: None), 1024)
+    for kind in KINDS:
+        prompt, answer = edit(*fn, kind)
+        out = tok.decode(list(engine.generate(tok.encode(prompt), 48)))
+        assert answer.startswith(out[:COPIED]), (kind, out)

@@ -16,13 +16,16 @@ Corpus: every .py file of one CPython's Lib/ (the test suites included, idlelib 
 every 20th file of Lib/ without the test suites (sorted order) is held out for the validation loss.
 training.json records the corpus's Python version, file count, bytes and sha256.
 
-Training rows (seq + 1 tokens each) are drawn with probabilities --mix plain:fim:chat:
+Training rows (seq + 1 tokens each) are drawn with probabilities --mix plain:fim:chat:edit:
     plain: a window of the file stream (files joined by <|endoftext|>);
     fim:   fill-in-the-middle examples packed into the row, in prefix-suffix-middle order
            <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>{middle}<|endoftext|>, cut from one
            file; half split at line starts (middle: 1-10 whole lines), half at any token (1-128 tokens);
     chat:  ChatML conversations (the tokenizer's own template): a request naming a stdlib function with
-           its docstring's summary, answered by the function's source in a ```python block.
+           its docstring's summary, answered by the function's source in a ```python block;
+    edit:  the code-edit workload's format (nanoqwen/bench/edits.py): a function, an instruction to write it
+           again with one change, the changed copy, <|endoftext|>; from the files of the chat examples but
+           textwrap.py, the workload's source.
 Then each token that ends in a newline (`):\n`) is split with probability --split-newlines (`):` `\n`):
 without that, a prompt that stops before its newline ("def fibonacci(n):") ends in a token the model
 never saw followed by anything but text on the same line.
@@ -38,6 +41,15 @@ predates the option: --split-newlines 0 repeats it), then the 3 x 512 continued 
     python tools/train_small_model.py train --init /tmp/gpu-out/a3 --data /tmp/model-data --lr 6e-4 \
         --warmup 10 --batch 8 --seq 512 --budget-s 840 --eval-every 100 --eval-batches 8 \
         --log-every 10 --out tests/data/small-py                             # CPU: 523 steps
+(its tokenizer and corpus the ones `prepare` makes today: the edit examples came later). The code-edit
+workload's model, tests/data/small-py-edit (bench/edits.EDIT_MODEL), is small-py taught the edit format too,
+on the same 2-core CPU (its training.json holds every run's facts and logs):
+    python tools/train_small_model.py train --init tests/data/small-py --data /tmp/model-data --lr 6e-4 \
+        --warmup 10 --batch 4 --seq 1024 --mix 0.4 0.3 0.05 0.25 --budget-s 1080 --eval-every 100 \
+        --eval-batches 8 --log-every 10 --out /tmp/small-py-edit                # edit copy loss 0.236 -> 0.067
+    python tools/train_small_model.py train --init /tmp/small-py-edit --data /tmp/model-data --lr 4e-4 \
+        --warmup 10 --batch 4 --seq 1024 --mix 0.35 0.25 0.05 0.35 --budget-s 1000 --eval-every 100 \
+        --eval-batches 8 --log-every 10 --out tests/data/small-py-edit          # 0.046 (step 700 of 734)
 """
 
 from __future__ import annotations
@@ -129,6 +141,22 @@ def chat_examples(texts: list[str], chat_tok) -> list[list[int]]:
     return out
 
 
+def edit_examples(texts: list[str], tok) -> tuple[list[list[int]], list[int]]:
+    """The code-edit workload's examples (nanoqwen/bench/edits.py: a function, an instruction to write it
+    again with one change, the changed copy), every change of every function of at most 1200 characters,
+    and where each one's changed copy starts (its first token that the prompt alone does not end with)."""
+    from nanoqwen.bench.edits import KINDS, edit, functions
+    out, starts = [], []
+    for text in texts:
+        for fn in functions(text, max_chars=1200):
+            for kind in KINDS:
+                prompt, answer = edit(*fn, kind)
+                ids, head = tok.encode(prompt + answer), tok.encode(prompt)
+                out.append(ids + [EOT])
+                starts.append(next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), len(head)))
+    return out, starts
+
+
 def prepare(args):
     from nanoqwen.tokenizer import Tokenizer
 
@@ -155,13 +183,22 @@ def prepare(args):
     chats = chat_examples([by_path[p] for p in train_p if "test" not in p.relative_to(root).parts],
                           Tokenizer(args.out))
     chat = np.concatenate([np.asarray(c, np.uint16) for c in chats])
+    # the edit workload's source (bench/edits.EDIT_SOURCE, CPython's textwrap.py) teaches no edits
+    def edit_tokens(files) -> tuple[list, np.ndarray, np.ndarray]:
+        examples, starts = edit_examples([by_path[p] for p in files if "test" not in p.relative_to(root).parts
+                                          and p.name != "textwrap.py"], Tokenizer(args.out))
+        return examples, np.concatenate([np.asarray(e, np.uint16) for e in examples]), np.asarray(starts, np.int64)
+    edits, edit, _ = edit_tokens(train_p)
+    _, val_edit, val_edit_answers = edit_tokens(val_p)
     np.savez(args.out / "corpus.npz", train=train[0], train_files=train[1], train_lines=train[2],
-             val=val[0], val_files=val[1], val_lines=val[2], chat=chat)
+             val=val[0], val_files=val[1], val_lines=val[2], chat=chat, edit=edit,
+             val_edit=val_edit, val_edit_answers=val_edit_answers)
     facts = {"python": args.python or platform.python_version(), "stdlib": str(root), "files": len(paths),
              "bytes": sum(len(t.encode()) for t in texts), "sha256": digest.hexdigest(),
              "train_files": len(train_p), "val_files": len(val_p), "train_tokens": int(len(train[0])),
              "val_tokens": int(len(val[0])), "val_bytes": sum(len(by_path[p].encode()) for p in val_p),
-             "chat_examples": len(chats), "chat_tokens": int(len(chat)), "vocab": tok.get_vocab_size()}
+             "chat_examples": len(chats), "chat_tokens": int(len(chat)), "edit_examples": len(edits),
+             "edit_tokens": int(len(edit)), "val_edit_tokens": int(len(val_edit)), "vocab": tok.get_vocab_size()}
     (args.out / "corpus.json").write_text(json.dumps(facts, indent=2) + "\n")
     print(json.dumps(facts), f"({time.time() - t0:.0f}s)")
 
@@ -174,8 +211,9 @@ class Rows:
     def __init__(self, data: dict, split: str, seq: int, rng: np.random.Generator, splits=None, split_p=0.0):
         self.tokens, self.files, self.lines = data[split], data[split + "_files"], data[split + "_lines"]
         self.file_ends = np.append(self.files[1:] - 1, len(self.tokens) - 1)  # each file's <|endoftext|>
-        self.chat = data["chat"]
+        self.chat, self.edit = data["chat"], data["val_edit" if split == "val" else "edit"]
         self.chat_starts = np.concatenate([[0], np.flatnonzero(self.chat == EOT) + 1])
+        self.edit_starts = np.concatenate([[0], np.flatnonzero(self.edit == EOT) + 1])
         self.seq, self.rng = seq, rng
         self.splits, self.split_p = splits or {}, split_p
         self.split_ids = np.fromiter(self.splits, np.int64)
@@ -209,6 +247,10 @@ class Rows:
         i = self.rng.integers(len(self.chat_starts) - 1)
         return self.chat[self.chat_starts[i]:self.chat_starts[i + 1]].astype(np.int64)
 
+    def edit_example(self) -> np.ndarray:
+        i = self.rng.integers(len(self.edit_starts) - 1)
+        return self.edit[self.edit_starts[i]:self.edit_starts[i + 1]].astype(np.int64)
+
     def packed(self, example) -> np.ndarray:
         parts, n = [], 0
         while n < self.seq + 1:
@@ -217,9 +259,9 @@ class Rows:
         return np.concatenate(parts)[:self.seq + 1]
 
     def row(self, mix) -> np.ndarray:
-        kind = self.rng.choice(3, p=mix)
+        kind = self.rng.choice(len(mix), p=mix)
         row = self.plain() if kind == 0 else self.packed(lambda: self.fim_example()[0]) if kind == 1 \
-            else self.packed(self.chat_example)
+            else self.packed(self.chat_example) if kind == 2 else self.packed(self.edit_example)
         return self.split_newlines(row) if self.split_p else row
 
     def split_newlines(self, row: np.ndarray) -> np.ndarray:
@@ -262,7 +304,8 @@ def batches(data, seq, batch, mix, seed, splits, split_p, workers):
 
 
 def evaluate(model, data, seq, device, n, batch=8) -> dict:
-    """Validation: plain loss (nats/token and bits/byte of held-out files) and FIM loss on middle tokens."""
+    """Validation: plain loss (nats/token and bits/byte of held-out files), FIM loss on middle tokens and the
+    edit loss on the changed copies of held-out files' edit examples."""
     import torch
     import torch.nn.functional as F
 
@@ -280,11 +323,20 @@ def evaluate(model, data, seq, device, n, batch=8) -> dict:
             logits = model(input_ids=x[:, :-1]).logits.float()[0, m - 1:]
             fim_sum += F.cross_entropy(logits, x[0, m:], reduction="sum").item()
             fim_n += x.shape[1] - m
+        edit_sum, edit_n = 0.0, 0
+        for i in range(min(n * batch // 2, len(rows.edit_starts) - 1)):   # the first ones: the same every time
+            ex, m = rows.edit[rows.edit_starts[i]:rows.edit_starts[i + 1]], int(data["val_edit_answers"][i])
+            if m >= seq:
+                continue
+            x = torch.from_numpy(ex[:seq + 1].astype(np.int64)).to(device)[None]
+            logits = model(input_ids=x[:, :-1]).logits.float()[0, m - 1:]
+            edit_sum += F.cross_entropy(logits, x[0, m:], reduction="sum").item()
+            edit_n += x.shape[1] - m
     model.train()
     loss = float(np.mean(plain))
     bytes_per_token = data["val_bytes"] / len(data["val"])
     return {"val_loss": round(loss, 4), "val_bits_per_byte": round(loss / math.log(2) / bytes_per_token, 4),
-            "val_fim_middle_loss": round(fim_sum / fim_n, 4)}
+            "val_fim_middle_loss": round(fim_sum / fim_n, 4), "val_edit_copy_loss": round(edit_sum / edit_n, 4)}
 
 
 def train(args):
@@ -321,6 +373,9 @@ def train(args):
                       args.split_newlines, 4 if device.type == "cuda" else 1))
     t0 = time.time()
     step, best = 0, (math.inf, 0, None)
+
+    def score(ev: dict) -> float:   # what "best" means: the plain loss, plus the edit loss when edits are taught
+        return ev["val_loss"] + (ev["val_edit_copy_loss"] if mix[3] else 0.0)
     while (done := max(step / args.steps, (time.time() - t0) / args.budget_s)) < 1.0:
         step += 1
         lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
@@ -339,10 +394,10 @@ def train(args):
         if step % args.eval_every == 0:
             ev = evaluate(model, data, args.seq, device, args.eval_batches // 4)
             say(f"step {step} eval {json.dumps(ev)}")
-            if ev["val_loss"] < best[0]:  # many epochs over a small corpus: keep the best, not the last
-                best = (ev["val_loss"], step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            if score(ev) < best[0]:  # many epochs over a small corpus: keep the best, not the last
+                best = (score(ev), step, {k: v.detach().clone() for k, v in model.state_dict().items()})
     seconds, last_step = time.time() - t0, step
-    if evaluate(model, data, args.seq, device, args.eval_batches // 4)["val_loss"] > best[0]:
+    if score(evaluate(model, data, args.seq, device, args.eval_batches // 4)) > best[0]:
         model.load_state_dict(best[2])
         step = best[1]
     final = evaluate(model, data, args.seq, device, args.eval_batches)
@@ -357,7 +412,7 @@ def train(args):
         {"command": " ".join(["python", "tools/train_small_model.py", *sys.argv[1:]]),
          "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
          "parameters": n_params, "steps": last_step, "kept_step": step, "batch": args.batch, "seq": args.seq, "lr": args.lr,
-         "warmup": args.warmup, "mix_plain_fim_chat": args.mix, "seed": args.seed, "seconds": round(seconds),
+         "warmup": args.warmup, "mix_plain_fim_chat_edit": args.mix, "seed": args.seed, "seconds": round(seconds),
          "tokens_seen": step * args.batch * args.seq, "split_newlines": args.split_newlines, "corpus": corpus}
         | final | {"log": log, "init": previous}, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -382,7 +437,8 @@ def main():
     t.add_argument("--seq", type=int, default=2048)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup", type=int, default=200)
-    t.add_argument("--mix", type=float, nargs=3, default=[0.55, 0.40, 0.05], metavar=("PLAIN", "FIM", "CHAT"))
+    t.add_argument("--mix", type=float, nargs=4, default=[0.55, 0.40, 0.05, 0.0],
+                   metavar=("PLAIN", "FIM", "CHAT", "EDIT"))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--split-newlines", type=float, default=0.1, metavar="P",
                    help="probability of splitting each token that ends in a newline (see Rows.split_newlines)")

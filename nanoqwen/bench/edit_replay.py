@@ -22,10 +22,12 @@ The prompt's prefill is the same in both runs and left out, so the figure is the
     python -m nanoqwen.bench.edit_replay --measured results/speculate-h100-2026-12-05-stage.json \\
         --steps results/steps-h100-2026-12-06-norm-apart.json --run B --json out.json
 
-runs the small model's plain greedy output on the CPU (the numpy reference engine), replays it under the
-small model's measured costs (the check: its drafted / accepted / verify counts and speed-up beside the
-GPU's, ``--measured``) and under the 7B's (``--steps``: a steps or speculate JSON), then under the 7B's with each
-bucket's verify 10% cheaper in turn (``sensitivity``: which step the speed-up rests on)."""
+runs the small model's plain greedy output on the CPU (the numpy reference engine; bench/edits.EDIT_MODEL, the
+small model trained on the workload's format), replays it under the small model's measured costs (the check: its
+drafted / accepted / verify counts and speed-up beside the GPU's, ``--measured``) and under the 7B's (``--steps``:
+a steps or speculate JSON), then under the 7B's with each bucket's verify 10% cheaper in turn (``sensitivity``:
+which step the speed-up rests on). A ``--measured`` run of another model (before 2026-12-08: small-py) gives
+the step costs only, and ``--host-ms`` the host's work a verify."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from .. import config, paths
 from ..runtime.drafters import PromptLookup, Speculation
 from . import protocol
 from .kernels import git_commit
-from .speculate import EDIT_SOURCE, edit_cases
+from .edits import EDIT_MODEL, EDIT_SOURCE, edit_cases
 
 
 @dataclass
@@ -115,30 +117,41 @@ def costs_of(res: dict) -> tuple[dict[int, float], float]:
     return {int(m): ms for m, ms in res["step_wall_ms"].items()}, res["step"]["1"]["ms"]
 
 
-def run(measured: dict, steps: dict, gen: int = 96) -> dict:
-    top = paths.checkout()
-    cases = plain_outputs(top / "tests/data/small-py", (top / EDIT_SOURCE).read_text(), gen)
-    setting, max_draft = PromptLookup(max_draft=15), max(config.default().multirow.buckets) - 1
+def run(measured: dict, steps: dict, gen: int = 96, host_ms: float | None = None) -> dict:
+    """``measured``'s edit run of another model than EDIT_MODEL (runs before it record none: small-py's) still
+    prices the rounds (the two models have the same shapes, so the same step costs), but checks nothing and
+    cannot calibrate the host's work a verify: ``host_ms`` (an earlier calibration) gives it."""
     edit = measured["edit"]
+    model = edit.get("model", "tests/data/small-py")
+    if model != EDIT_MODEL and host_ms is None:
+        raise ValueError(f"the measured edit run is {model}'s, not {EDIT_MODEL}'s: give the host's work a verify")
+    top = paths.checkout()
+    cases = plain_outputs(top / EDIT_MODEL, (top / EDIT_SOURCE).read_text(), gen)
+    setting, max_draft = PromptLookup(max_draft=15), max(config.default().multirow.buckets) - 1
     small_costs = {int(m): ms for m, ms in edit["costs_ms"].items()}
     small = [replay(p, out, setting, small_costs, max_draft) for p, out in cases]
-    check = [{"kind": c["kind"], "measured": [c["drafted"], c["accepted"], c["verifies"]],
-              "replayed": [r.drafted, r.accepted, len(r.verify_rows)]} for c, r in zip(edit["cases"], small)]
     alone = price(small, small_costs, small_costs[1])
-    t_plain, t_spec = (1e3 * sum(c[k] for c in edit["cases"]) for k in ("plain_s", "spec_s"))
-    host = (t_spec - (t_plain - alone["plain_ms"]) - alone["spec_ms"]) / alone["verifies"]
+    if model == EDIT_MODEL:
+        check = [{"kind": c["kind"], "measured": [c["drafted"], c["accepted"], c["verifies"]],
+                  "replayed": [r.drafted, r.accepted, len(r.verify_rows)]} for c, r in zip(edit["cases"], small)]
+        t_plain, t_spec = (1e3 * sum(c[k] for c in edit["cases"]) for k in ("plain_s", "spec_s"))
+        host = (t_spec - (t_plain - alone["plain_ms"]) - alone["spec_ms"]) / alone["verifies"]
+        measured_run = {"measured_speedup": edit["speedup"],
+                        "cases_identical": sum(c["measured"] == c["replayed"] for c in check), "cases": check}
+    else:
+        host, measured_run = host_ms, {"measured_model": model, "host_ms_given": True}
     wall7, step7 = costs_of(steps)
     big = [replay(p, out, setting, wall7, max_draft) for p, out in cases]
     # issue 20's step goals: up to 8 rows within 1.25x the decode step, 16 within 1.6x (here of its wall time)
     goal = {m: wall7[1] * (1.0 if m == 1 else 1.25 if m <= 8 else 1.6) for m in wall7}
     at_goal = [replay(p, out, setting, goal, max_draft) for p, out in cases]
-    return {"kind": "nanoqwen-edit-replay", "schema": 1, "commit": git_commit(),
+    return {"kind": "nanoqwen-edit-replay", "schema": 2, "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "how": __doc__.split("\n\n")[1].replace("\n", " "),
-            "small": {"costs_from": measured["commit"], "gpu": measured["gpu"]["name"],
-                      "measured_speedup": edit["speedup"],
-                      "replayed": alone, "host_ms_per_verify": host,
-                      "cases_identical": sum(c["measured"] == c["replayed"] for c in check), "cases": check},
+            "small": {"model": EDIT_MODEL, "costs_from": measured["commit"], "gpu": measured["gpu"]["name"],
+                      "acceptance": sum(r.accepted for r in small) / max(sum(r.drafted for r in small), 1),
+                      "replayed": alone, "predicted": price(small, small_costs, small_costs[1], host),
+                      "host_ms_per_verify": host} | measured_run,
             "7b": {"costs_from": steps["commit"], "gpu": steps["gpu"]["name"], "verify_ms": wall7, "step_ms": step7,
                    "acceptance": sum(r.accepted for r in big) / max(sum(r.drafted for r in big), 1),
                    "verify_rows": sorted(set(n for r in big for n in r.verify_rows)),
@@ -152,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--measured", type=Path, required=True, help="a speculate JSON with the small model's edit run")
     p.add_argument("--steps", type=Path, required=True, help="a steps or speculate JSON with the 7B's step costs")
     p.add_argument("--run", help="the run of a steps A/B JSON (its \"runs\") to take the 7B's costs from")
+    p.add_argument("--host-ms", type=float, help="the host's work a verify, where --measured ran another model")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     steps = json.loads(args.steps.read_text())
@@ -159,11 +173,16 @@ def main(argv=None) -> int:
         if args.run not in steps["runs"]:
             p.error(f"--steps {args.steps} holds runs {', '.join(steps['runs'])}: name one with --run")
         steps = steps["runs"][args.run]
-    res = run(json.loads(args.measured.read_text()), steps)
+    try:
+        res = run(json.loads(args.measured.read_text()), steps, host_ms=args.host_ms)
+    except ValueError as e:
+        p.error(str(e))
     s, b = res["small"], res["7b"]
-    print(f"small model ({s['gpu']}, {s['costs_from']}): measured {s['measured_speedup']:.2f}x, its steps alone "
-          f"{s['replayed']['speedup']:.2f}x; {s['cases_identical']}/{len(s['cases'])} cases with the GPU's counts; "
-          f"the host's own work {s['host_ms_per_verify']:.3f} ms a verify")
+    check = (f"measured {s['measured_speedup']:.2f}x, {s['cases_identical']}/{len(s['cases'])} cases with the GPU's "
+             f"counts" if "cases" in s else f"steps measured on {s['measured_model']}, not checked")
+    print(f"small model ({s['gpu']}, {s['costs_from']}): acceptance {s['acceptance']:.2f}, its steps alone "
+          f"{s['replayed']['speedup']:.2f}x, predicted {s['predicted']['speedup']:.2f}x ({check}); the host's own "
+          f"work {s['host_ms_per_verify']:.3f} ms a verify")
     print(f"7B ({b['gpu']}, {b['costs_from']}): acceptance {b['acceptance']:.2f}, verifies of {b['verify_rows']} "
           f"rows, steps alone {b['steps_alone']['speedup']:.2f}x, predicted {b['predicted']['speedup']:.2f}x; with "
           f"the issue's step goals {b['at_issue_goals']['speedup']:.2f}x")

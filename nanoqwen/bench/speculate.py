@@ -9,8 +9,8 @@
   (a') the same steps as the host sees a verify (``wall_times``): RowStep.run's wall time (inputs up, the
       graph, the argmaxes back and waited for), and a decode step launched and waited for, per bucket, for
       the 7B and for the small model of (d): what a verify costs beyond its graph;
-  (d) a code-edit workload on the trained small test model (tests/data/small-py): each case is a function
-      of a committed standard-library source followed by an instruction to write it again with one change
+  (d) a code-edit workload on the small test model trained for it too (bench/edits.EDIT_MODEL): each case
+      is a function of a committed standard-library source followed by an instruction to write it again with one change
       (a rename, an added argument, a changed constant) and the start of the changed copy; prompt lookup
       (`--speculate lookup`) against plain greedy decoding: acceptance, accepted tokens per verify,
       speed-up, and the output equal token for token.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import re
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from ..runtime import driver
 from ..runtime.drafters import AdaptiveK, DraftModel, PromptLookup
 from ..runtime.prefill import by_steps
 from . import protocol
+from .edits import EDIT_MODEL, EDIT_SOURCE, edit_cases
 from .itl import replay_seconds
 from .kernels import git_commit
 
@@ -45,7 +45,6 @@ CONTEXT, PROMPT, GEN = 1024, 512, 128
 ORACLE_K = (4, 8, 15)
 DRAFT_DIMS = dataclasses.replace(QWEN25_7B, hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64,
                                  intermediate=4864)   # Qwen2.5-0.5B's shapes, the 7B's vocabulary
-EDIT_SOURCE = "tests/data/textwrap-cpython-3.11.7.py.txt"   # committed: the cases never depend on the Python
 
 
 class Oracle(AdaptiveK):
@@ -175,38 +174,6 @@ def draft_cost(draft_path: Path, rng, vocab: int) -> dict:
         engine.close()
 
 
-def functions(text: str, max_chars: int = 2000) -> list[tuple[str, str, str, str]]:
-    """(source, indent, name, arguments) of every def in ``text`` of at most ``max_chars`` (one-line heads)."""
-    lines, out = text.splitlines(keepends=True), []
-    for i, line in enumerate(lines):
-        head = re.match(r"^( *)def (\w+)\((.*)\):$", line.rstrip("\n"))
-        if not head:
-            continue
-        indent, j = head.group(1), i + 1
-        while j < len(lines) and (not lines[j].strip() or lines[j].startswith(indent + " ")):
-            j += 1
-        body = "".join(lines[i:j]).rstrip() + "\n"
-        if len(body) <= max_chars:
-            out.append((body, indent, head.group(2), head.group(3)))
-    return out
-
-
-def edit_cases(text: str, n: int = 24) -> list[tuple[str, str]]:
-    """(prompt, kind of change) for n edits of the functions of ``text``, each change in turn per function:
-    the function, an instruction naming the change, and the changed copy's first line (the model goes on)."""
-    cases = []
-    for body, indent, name, args in functions(text):
-        for kind in ("rename", "argument", "constant"):
-            if kind == "rename":
-                note, head = f"renamed to {name}_v2", f"def {name}_v2({args}):"
-            elif kind == "argument":
-                note, head = "with an added argument verbose=False", f"def {name}({args}, verbose=False):"
-            else:
-                note, head = "with every 0 replaced by 1", f"def {name}({args}):"
-            cases.append((f"{body}\n{indent}# The same function {note}:\n{indent}{head}\n", kind))
-    return cases[:n]
-
-
 def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
     from ..runtime.session import CudaSession
     from ..tokenizer import load as load_tokenizer
@@ -240,7 +207,8 @@ def edit_workload(small: Path, text: str, gen: int = 96) -> dict:
             t_plain, t_spec = t_plain + tp, t_spec + ts
             drafted, accepted, verifies = drafted + spec.drafted, accepted + spec.accepted, verifies + spec.verifies
         t_k = sum(r["spec_drafter_k_s"] or 0.0 for r in rows)
-        return {"cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec, "wall_ms": wall_times(session),
+        return {"model": EDIT_MODEL, "cases": rows, "gen_tokens": gen, "speedup": t_plain / t_spec,
+                "wall_ms": wall_times(session),
                 "speedup_drafter_k": t_plain / t_k if t_k else None,
                 "costs_ms": session.runner.costs,
                 "acceptance": accepted / max(drafted, 1), "accepted_per_verify": accepted / max(verifies, 1),
@@ -284,8 +252,8 @@ def run(log=None, steps_only: bool = False) -> dict:
     res["draft_model"] = draft_cost(draft, rng, vocab)
     top = paths.checkout()
     if top is not None:
-        log("code-edit workload (small-py, prompt lookup)")
-        res["edit"] = edit_workload(top / "tests/data/small-py", (top / EDIT_SOURCE).read_text())
+        log(f"code-edit workload ({EDIT_MODEL}, prompt lookup)")
+        res["edit"] = edit_workload(top / EDIT_MODEL, (top / EDIT_SOURCE).read_text())
     return res
 
 
