@@ -135,6 +135,16 @@ def test_without_max_tokens_generation_fills_the_context(tok):
     assert r.status_code == 400 and "maximum context length is 64 tokens" in r.json()["error"]["message"]
 
 
+def test_prompt_ids_outside_the_vocabulary_are_a_400_naming_the_first(tok):
+    client = serve(lambda: (GpuLikeEngine(), tok))
+    wait_health(client, 200)
+    for prompt, bad in (([5, 2048, -1], 2048), ([5, -1, 2048], -1)):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"prompt token id {bad} is outside the model's vocabulary")
+    assert client.post("/v1/completions", json={"prompt": [5, 2047, 0], "max_tokens": 1}).status_code == 200
+
+
 class BrokenTokenizer:
     """A bug stand-in: encoding raises something no route expects."""
     eos_ids = ()

@@ -20,7 +20,7 @@ from nanoqwen.hf import HFCheckpoint
 from nanoqwen.nqfile import NanoqwenFile, NqFileError
 from nanoqwen.pack import pack_hf, pack_random
 from nanoqwen.tokenizer import FILES, Tokenizer, TokenizerError, load
-from nanoqwen.tokenpieces import LINE_CACHE, splits_lines
+from nanoqwen.tokenpieces import LINE_CACHE, TEXT_CACHE, splits_lines
 
 DIR = testmodels.SMALL_PY_DIR
 TEXTS = ["def f(x):\n    return x + 1\n", "naïve café — 中文字符 and emoji 😀👍🏽 ∑ ≠ €",
@@ -128,6 +128,20 @@ def test_a_keystroke_costs_the_changed_line():
     assert tok.encode_text(text + "  #") == want and calls == []
     again = tok.encode_text(text + "  #x")
     assert calls == ["  #x"] and again == tok._plain.encode_batch([text + "  #x"], add_special_tokens=False)[0].ids
+
+
+def test_a_text_resent_whole_is_one_lookup():
+    """A text that splits into lines is kept whole too (an editor's extra chunks, resent unchanged at every
+    keystroke): the second time it is found without its lines (dropped here), and the whole texts kept are
+    bounded, the least recently used dropped."""
+    tok = Tokenizer(DIR)
+    calls = counting(tok)
+    texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(TEXT_CACHE + 1)]
+    want = [tok.encode_text(t) for t in texts]
+    tok._pieces._ids.clear()
+    calls.clear()
+    assert [tok.encode_text(t) for t in texts[1:]] == want[1:] and calls == []
+    assert tok.encode_text(texts[0]) == want[0] and calls == texts[0].splitlines(keepends=True)
 
 
 def test_other_pre_tokenizers_tokenize_whole_texts(tmp_path):

