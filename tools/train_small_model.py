@@ -46,10 +46,10 @@ workload's model, tests/data/small-py-edit (bench/edits.EDIT_MODEL), is small-py
 on the same 2-core CPU (its training.json holds every run's facts and logs):
     python tools/train_small_model.py train --init tests/data/small-py --data /tmp/model-data --lr 6e-4 \
         --warmup 10 --batch 4 --seq 1024 --mix 0.4 0.3 0.05 0.25 --budget-s 1080 --eval-every 100 \
-        --eval-batches 8 --log-every 10 --out /tmp/small-py-edit                # edit copy loss 0.236 -> 0.067
+        --eval-batches 8 --log-every 10 --out /tmp/small-py-edit                # periodic edit copy loss 0.236 -> 0.067
     python tools/train_small_model.py train --init /tmp/small-py-edit --data /tmp/model-data --lr 4e-4 \
         --warmup 10 --batch 4 --seq 1024 --mix 0.35 0.25 0.05 0.35 --budget-s 1000 --eval-every 100 \
-        --eval-batches 8 --log-every 10 --out tests/data/small-py-edit          # 0.046 (step 700 of 734)
+        --eval-batches 8 --log-every 10 --out tests/data/small-py-edit          # 0.046 at step 700 of 734
 """
 
 from __future__ import annotations
