@@ -146,6 +146,7 @@ def edit_examples(texts: list[str], tok) -> tuple[list[list[int]], list[int]]:
     again with one change, the changed copy), every change of every function of at most 1200 characters,
     and where each one's changed copy starts (its first token that the prompt alone does not end with)."""
     from nanoqwen.bench.edits import KINDS, edit, functions
+    from nanoqwen.runtime.token_trie import common_prefix
     out, starts = [], []
     for text in texts:
         for fn in functions(text, max_chars=1200):
@@ -153,7 +154,7 @@ def edit_examples(texts: list[str], tok) -> tuple[list[list[int]], list[int]]:
                 prompt, answer = edit(*fn, kind)
                 ids, head = tok.encode(prompt + answer), tok.encode(prompt)
                 out.append(ids + [EOT])
-                starts.append(next((i for i, (a, b) in enumerate(zip(ids, head)) if a != b), len(head)))
+                starts.append(common_prefix(ids, head))
     return out, starts
 
 
@@ -180,13 +181,16 @@ def prepare(args):
     for p, s in zip(val_p, val[1]):
         whole = tok.encode(by_path[p], add_special_tokens=False).ids
         assert whole == val[0][s:s + len(whole)].tolist(), f"{p}: line-unit encoding differs from the file's"
-    chats = chat_examples([by_path[p] for p in train_p if "test" not in p.relative_to(root).parts],
-                          Tokenizer(args.out))
+    ours = Tokenizer(args.out)   # the tokenizer just written, as the runtime loads it
+
+    def library(files) -> list[Path]:   # the standard library's own code, without its test suites
+        return [p for p in files if "test" not in p.relative_to(root).parts]
+    chats = chat_examples([by_path[p] for p in library(train_p)], ours)
     chat = np.concatenate([np.asarray(c, np.uint16) for c in chats])
+
     # the edit workload's source (bench/edits.EDIT_SOURCE, CPython's textwrap.py) teaches no edits
     def edit_tokens(files) -> tuple[list, np.ndarray, np.ndarray]:
-        examples, starts = edit_examples([by_path[p] for p in files if "test" not in p.relative_to(root).parts
-                                          and p.name != "textwrap.py"], Tokenizer(args.out))
+        examples, starts = edit_examples([by_path[p] for p in library(files) if p.name != "textwrap.py"], ours)
         return examples, np.concatenate([np.asarray(e, np.uint16) for e in examples]), np.asarray(starts, np.int64)
     edits, edit, _ = edit_tokens(train_p)
     _, val_edit, val_edit_answers = edit_tokens(val_p)
